@@ -1,0 +1,98 @@
+"""Argument validation shared by every op face (CPU, CUDA and fake).
+
+Errors name the op, the argument, what was expected and what came, so a bad call fails at
+trace time (the fake runs the same checks) instead of inside a kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def check_tensor(
+    op: str,
+    name: str,
+    t: object,
+    *,
+    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+    ndim: int | None = None,
+    contiguous: bool = False,
+    like: Tensor | None = None,
+) -> Tensor:
+    """Checks that ``t`` is a tensor with the given dtype(s), rank and layout.
+
+    ``like``: ``t`` must live on the same device as this tensor.
+    """
+    if not isinstance(t, Tensor):
+        raise TypeError(f"dsa.{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            want = " or ".join(str(d) for d in allowed)
+            raise TypeError(f"dsa.{op}: `{name}` must be {want}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(
+            f"dsa.{op}: `{name}` must have {ndim} dimension(s), got shape {tuple(t.shape)}"
+        )
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"dsa.{op}: `{name}` must be contiguous, got strides {t.stride()}")
+    if like is not None and t.device != like.device:
+        raise ValueError(f"dsa.{op}: `{name}` must be on {like.device}, got {t.device}")
+    return t
+
+
+def check_size(op: str, name: str, t: Tensor, dim: int, expected: int, what: str) -> None:
+    """Checks ``t.shape[dim] == expected``; ``what`` explains where ``expected`` comes from."""
+    if t.shape[dim] != expected:
+        raise ValueError(
+            f"dsa.{op}: `{name}` must have size {expected} ({what}) in dimension {dim}, "
+            f"got shape {tuple(t.shape)}"
+        )
+
+
+def check_int(op: str, name: str, value: object, *, low: int | None = None) -> int:
+    """Checks that ``value`` is an int (not a bool) and at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"dsa.{op}: `{name}` must be an int, got {type(value).__name__}")
+    if low is not None and value < low:
+        raise ValueError(f"dsa.{op}: `{name}` must be >= {low}, got {value}")
+    return value
+
+
+def check_choice(op: str, name: str, value: object, choices: Sequence[object]) -> None:
+    """Checks that ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"dsa.{op}: `{name}` must be one of {list(choices)}, got {value!r}")
+
+
+def check_dcp(op: str, world: int, rank: int, interleave: int) -> None:
+    """Validates a decode-context-parallel (world, rank, interleave) triple."""
+    check_int(op, "dcp_world", world, low=1)
+    check_int(op, "dcp_rank", rank, low=0)
+    check_int(op, "dcp_interleave", interleave, low=1)
+    if rank >= world:
+        raise ValueError(f"dsa.{op}: `dcp_rank` must be < dcp_world={world}, got {rank}")
+    if world > 1 and interleave > 1:
+        raise NotImplementedError(
+            f"dsa.{op}: DCP interleave > 1 is not supported (validated only for interleave 1), "
+            f"got dcp_interleave={interleave}"
+        )
+
+
+def check_nonnegative(op: str, name: str, t: Tensor) -> None:
+    """Value check for host tensors: every entry >= 0. Device tensors are not read (no sync)."""
+    if t.device.type == "cpu" and t.numel() and not _is_fake(t) and bool((t < 0).any()):
+        raise ValueError(f"dsa.{op}: `{name}` must be >= 0 everywhere, got min {int(t.min())}")
+
+
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+INDEX_DTYPES = (torch.int32,)
+POSITION_DTYPES = (torch.int32, torch.int64)

@@ -1,0 +1,45 @@
+"""Token -> request lookup on the device, shared by the metadata ops.
+
+Tokens are flattened token-major (requests concatenated, ``query_start_loc`` delimits them).
+Token ``t`` belongs to the largest ``r`` with ``query_start_loc[r] <= t``; ``r == num_reqs``
+marks a token past the real ones (graph padding). No host sync, no data-dependent sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+def token_requests(query_start_loc: Tensor, num_tokens: int) -> Tensor:
+    """int64 ``[num_tokens]``: request of each token, ``num_reqs`` for padding tokens."""
+    num_reqs = query_start_loc.numel() - 1
+    tokens = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
+    req = torch.searchsorted(query_start_loc, tokens, right=True) - 1
+    return req.clamp_(0, num_reqs)
+
+
+def search_steps(num_reqs: int) -> int:
+    """Binary-search steps that resolve any token among ``num_reqs + 1`` candidates."""
+    return max(num_reqs, 0).bit_length()
+
+
+def block_for(n: int, cap: int = 1024) -> int:
+    """Power-of-two Triton block covering ``n`` elements, at most ``cap``."""
+    return min(cap, triton.next_power_of_2(max(n, 1)))
+
+
+@triton.jit
+def request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS: tl.constexpr):
+    """Vectorised binary search: for each token in ``t``, the largest ``r <= num_reqs`` with
+    ``qsl[r] <= t``. Every probe stays inside ``qsl[0 .. num_reqs]``."""
+    lo = tl.zeros_like(t)
+    hi = lo + num_reqs
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(qsl_ptr + mid) <= t
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
