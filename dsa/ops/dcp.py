@@ -1,1 +1,81 @@
-"""Placeholder: being written."""
+"""Decode context parallelism: this rank's share of a sharded length.
+
+SPEC §6. The K cache of a request is dealt out over ``world`` ranks in runs of
+``interleave`` entries; rank ``k`` owns entry ``c`` iff ``(c // interleave) % world == k``.
+Its share of the first ``n`` entries is::
+
+    base  = (n // interleave // world) * interleave
+    rest  = n - base * world
+    local = base + min(max(rest - k * interleave, 0), interleave)
+
+Negative lengths count as 0. Interleave > 1 is rejected when ``world > 1`` (not validated
+end to end); with ``world == 1`` every length is its own share.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dsa.ops._checks import INDEX_DTYPES, check_dcp, check_tensor
+from dsa.ops._registry import register
+from dsa.ops._tokens import block_for
+
+
+def local_share(n: Tensor, world: int, rank: int, interleave: int) -> Tensor:
+    """Torch: rank ``rank``'s share of each length in ``n`` (same dtype; negatives -> 0)."""
+    n = n.clamp(min=0)
+    base = n // interleave // world * interleave
+    rest = n - base * world
+    return base + (rest - rank * interleave).clamp(0, interleave)
+
+
+@triton.jit
+def local_share_tl(n, world, rank, interleave):
+    """Triton: same as ``local_share`` for a block of lengths."""
+    n = tl.maximum(n, 0)
+    base = n // interleave // world * interleave
+    rest = n - base * world
+    return base + tl.minimum(tl.maximum(rest - rank * interleave, 0), interleave)
+
+
+def _dcp_local_lens_out(lens: Tensor, world: int, rank: int, interleave: int) -> Tensor:
+    op = "dcp_local_lens"
+    check_tensor(op, "lens", lens, dtype=INDEX_DTYPES)
+    check_dcp(op, world, rank, interleave)
+    return lens.new_empty(lens.shape, dtype=torch.int32)
+
+
+def _dcp_local_lens_cpu(lens: Tensor, world: int, rank: int, interleave: int) -> Tensor:
+    out = _dcp_local_lens_out(lens, world, rank, interleave)
+    return out.copy_(local_share(lens, world, rank, interleave))
+
+
+@triton.jit
+def _dcp_local_lens_kernel(lens_ptr, out_ptr, numel, world, rank, interleave,
+                           BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = i < numel
+    n = tl.load(lens_ptr + i, mask=in_range, other=0)
+    tl.store(out_ptr + i, local_share_tl(n, world, rank, interleave), mask=in_range)
+
+
+def _dcp_local_lens_cuda(lens: Tensor, world: int, rank: int, interleave: int) -> Tensor:
+    out = _dcp_local_lens_out(lens, world, rank, interleave)
+    numel = out.numel()
+    if numel:
+        block = block_for(numel)
+        _dcp_local_lens_kernel[(triton.cdiv(numel, block),)](
+            lens.contiguous(), out, numel, world, rank, interleave, BLOCK=block
+        )
+    return out
+
+
+dcp_local_lens = register(
+    "dcp_local_lens",
+    cpu=_dcp_local_lens_cpu,
+    cuda=_dcp_local_lens_cuda,
+    fake=_dcp_local_lens_out,
+)

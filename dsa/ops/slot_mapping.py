@@ -1,1 +1,195 @@
-"""Placeholder: being written."""
+"""Slot mappings: which paged-cache row each query token writes (int64, ``-1`` = none).
+
+SPEC §7.
+
+- ``compressed_slot_mapping`` (DeepSeek V4, ratio R): query token i of request r sits at
+  ``pos = seq_len - query_len + i`` and writes compressed state ``cpos = pos // R`` only
+  when ``(pos + 1) % R == 0``. Under DCP (world W, rank k, interleave I) the states are
+  dealt over virtual blocks of ``block_size * W`` states and only this rank's share is
+  written, packed into its own block.
+- ``kpool_tail_slot_mapping`` (GLM kpool tail): every real token writes into its request's
+  single circular block: ``block_table[r, 0] * kpool + positions[t] % kpool``.
+
+Tokens that write nothing get -1: padding tokens, negative positions, states of other
+ranks, blocks past the table width and negative block-table entries.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dsa.ops._checks import POSITION_DTYPES, check_dcp, check_int, check_tensor
+from dsa.ops._registry import register
+from dsa.ops._tokens import block_for, request_of, search_steps, token_requests
+from dsa.ops.decode_meta import _check_block_table, _check_qsl, _check_seq_lens
+
+# --- compressed_slot_mapping -------------------------------------------------------------
+
+
+def _compressed_slot_mapping_out(
+    query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, num_tokens: int,
+    block_size: int, compress_ratio: int, dcp_world: int, dcp_rank: int,
+    dcp_interleave: int = 1,
+) -> Tensor:
+    op = "compressed_slot_mapping"
+    num_reqs = _check_qsl(op, query_start_loc)
+    _check_seq_lens(op, seq_lens, query_start_loc, num_reqs)
+    _check_block_table(op, block_table, query_start_loc, num_reqs)
+    check_int(op, "num_tokens", num_tokens, low=0)
+    check_int(op, "block_size", block_size, low=1)
+    check_int(op, "compress_ratio", compress_ratio, low=1)
+    check_dcp(op, dcp_world, dcp_rank, dcp_interleave)
+    return query_start_loc.new_empty(num_tokens, dtype=torch.int64)
+
+
+def _compressed_slot_mapping_cpu(
+    query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, num_tokens: int,
+    block_size: int, compress_ratio: int, dcp_world: int, dcp_rank: int,
+    dcp_interleave: int = 1,
+) -> Tensor:
+    out = _compressed_slot_mapping_out(
+        query_start_loc, seq_lens, block_table, num_tokens, block_size, compress_ratio,
+        dcp_world, dcp_rank, dcp_interleave,
+    )
+    num_reqs, width = block_table.shape
+    req = token_requests(query_start_loc, num_tokens).long()
+    qsl = query_start_loc.long()
+    start = qsl[req]
+    query_len = qsl[(req + 1).clamp(max=num_reqs)] - start
+    seq = torch.cat([seq_lens.long(), seq_lens.new_zeros(1, dtype=torch.long)])[req]
+    pos = seq - query_len + torch.arange(num_tokens, device=out.device) - start
+    cpos = pos.clamp(min=0) // compress_ratio
+    blk = cpos // (block_size * dcp_world)
+    v = cpos - blk * (block_size * dcp_world)
+    mine = (v // dcp_interleave) % dcp_world == dcp_rank
+    offset = v // (dcp_world * dcp_interleave) * dcp_interleave + v % dcp_interleave
+    # A row of -1 for padding tokens, a column of -1 for blocks past the table width.
+    table = torch.nn.functional.pad(block_table.long(), (0, 1, 0, 1), value=-1)
+    entry = table[req, blk.clamp(max=width)]
+    ok = (pos >= 0) & ((pos + 1) % compress_ratio == 0) & mine & (entry >= 0)
+    return out.copy_(torch.where(ok, entry * block_size + offset, -1))
+
+
+@triton.jit
+def _compressed_slot_mapping_kernel(
+    qsl_ptr, seq_lens_ptr, block_table_ptr, table_stride, out_ptr, num_tokens, num_reqs,
+    width, block_size, ratio, world, rank, interleave,
+    SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = t < num_tokens
+    req = request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS)
+    real = in_range & (req < num_reqs)
+    start = tl.load(qsl_ptr + req, mask=real, other=0)
+    end = tl.load(qsl_ptr + req + 1, mask=real, other=0)
+    seq = tl.load(seq_lens_ptr + req, mask=real, other=0)
+    pos = (seq - (end - start) + (t - start)).to(tl.int64)
+    writes = real & (pos >= 0) & ((pos + 1) % ratio == 0)
+    # Lanes with pos < 0 are masked off; clamping keeps every division non-negative.
+    cpos = tl.maximum(pos, 0) // ratio
+    blk = cpos // block_size // world
+    v = cpos - blk * block_size * world
+    mine = (v // interleave) % world == rank
+    offset = v // interleave // world * interleave + v % interleave
+    ok = writes & mine & (blk < width)
+    entry = tl.load(block_table_ptr + req.to(tl.int64) * table_stride + blk, mask=ok, other=-1)
+    ok = ok & (entry >= 0)
+    slot = entry.to(tl.int64) * block_size + offset
+    tl.store(out_ptr + t, tl.where(ok, slot, -1), mask=in_range)
+
+
+def _compressed_slot_mapping_cuda(
+    query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, num_tokens: int,
+    block_size: int, compress_ratio: int, dcp_world: int, dcp_rank: int,
+    dcp_interleave: int = 1,
+) -> Tensor:
+    out = _compressed_slot_mapping_out(
+        query_start_loc, seq_lens, block_table, num_tokens, block_size, compress_ratio,
+        dcp_world, dcp_rank, dcp_interleave,
+    )
+    if num_tokens:
+        num_reqs, width = block_table.shape
+        block = block_for(num_tokens)
+        _compressed_slot_mapping_kernel[(triton.cdiv(num_tokens, block),)](
+            query_start_loc, seq_lens, block_table, block_table.stride(0), out, num_tokens,
+            num_reqs, width, block_size, compress_ratio, dcp_world, dcp_rank, dcp_interleave,
+            SEARCH_STEPS=search_steps(num_reqs), BLOCK=block,
+        )
+    return out
+
+
+compressed_slot_mapping = register(
+    "compressed_slot_mapping",
+    cpu=_compressed_slot_mapping_cpu,
+    cuda=_compressed_slot_mapping_cuda,
+    fake=_compressed_slot_mapping_out,
+)
+
+
+# --- kpool_tail_slot_mapping -------------------------------------------------------------
+
+
+def _kpool_tail_slot_mapping_out(query_start_loc: Tensor, block_table: Tensor,
+                                 positions: Tensor, kpool: int) -> Tensor:
+    op = "kpool_tail_slot_mapping"
+    num_reqs = _check_qsl(op, query_start_loc)
+    _check_block_table(op, block_table, query_start_loc, num_reqs)
+    if block_table.shape[1] < 1:
+        raise ValueError(f"dsa.{op}: `block_table` needs at least 1 column (the tail block), "
+                         f"got shape {tuple(block_table.shape)}")
+    check_tensor(op, "positions", positions, dtype=POSITION_DTYPES, ndim=1, contiguous=True,
+                 like=query_start_loc)
+    check_int(op, "kpool", kpool, low=1)
+    return positions.new_empty(positions.shape, dtype=torch.int64)
+
+
+def _kpool_tail_slot_mapping_cpu(query_start_loc: Tensor, block_table: Tensor,
+                                 positions: Tensor, kpool: int) -> Tensor:
+    out = _kpool_tail_slot_mapping_out(query_start_loc, block_table, positions, kpool)
+    req = token_requests(query_start_loc, positions.numel())
+    # Padding tokens (req == num_reqs) read the appended -1.
+    entry = torch.nn.functional.pad(block_table[:, 0].long(), (0, 1), value=-1)[req]
+    slot = entry * kpool + positions.long() % kpool
+    return out.copy_(torch.where(entry >= 0, slot, -1))
+
+
+@triton.jit
+def _kpool_tail_slot_mapping_kernel(qsl_ptr, block_table_ptr, table_stride, positions_ptr,
+                                    out_ptr, num_tokens, num_reqs, kpool,
+                                    SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = t < num_tokens
+    req = request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS)
+    real = in_range & (req < num_reqs)
+    entry = tl.load(block_table_ptr + req.to(tl.int64) * table_stride, mask=real, other=-1)
+    pos = tl.load(positions_ptr + t, mask=real, other=0).to(tl.int64)
+    # Triton's % truncates toward zero: shift negative remainders into [0, kpool).
+    offset = pos % kpool
+    offset = tl.where(offset < 0, offset + kpool, offset)
+    slot = entry.to(tl.int64) * kpool + offset
+    tl.store(out_ptr + t, tl.where(real & (entry >= 0), slot, -1), mask=in_range)
+
+
+def _kpool_tail_slot_mapping_cuda(query_start_loc: Tensor, block_table: Tensor,
+                                  positions: Tensor, kpool: int) -> Tensor:
+    out = _kpool_tail_slot_mapping_out(query_start_loc, block_table, positions, kpool)
+    num_tokens = positions.numel()
+    if num_tokens:
+        num_reqs = block_table.shape[0]
+        block = block_for(num_tokens)
+        _kpool_tail_slot_mapping_kernel[(triton.cdiv(num_tokens, block),)](
+            query_start_loc, block_table, block_table.stride(0), positions, out, num_tokens,
+            num_reqs, kpool, SEARCH_STEPS=search_steps(num_reqs), BLOCK=block,
+        )
+    return out
+
+
+kpool_tail_slot_mapping = register(
+    "kpool_tail_slot_mapping",
+    cpu=_kpool_tail_slot_mapping_cpu,
+    cuda=_kpool_tail_slot_mapping_cuda,
+    fake=_kpool_tail_slot_mapping_out,
+)

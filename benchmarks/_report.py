@@ -1,0 +1,65 @@
+"""Shared benchmark helpers: timing on the GPU, the copy-bandwidth ceiling, markdown reports."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import triton
+
+
+def device_us(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> float:
+    """Median device time of ``fn`` in µs (CUDA events, via triton.testing.do_bench)."""
+    return 1e3 * triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def host_us(fn: Callable[[], object], *, iters: int = 50) -> float:
+    """Median host time of one call of ``fn`` in µs: launch work only, the GPU drained first."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
+
+
+def copy_bandwidth_bytes_per_s(num_bytes: int = 4 << 30) -> float:
+    """Measured device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    buffers = torch.empty(2, num_bytes, dtype=torch.uint8, device="cuda")
+    us = device_us(lambda: buffers[1].copy_(buffers[0]), warmup=5, rep=50)
+    return 2 * num_bytes / (us * 1e-6)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def report(title: str, command: str, table: str, notes: str = "") -> str:
+    """A BENCHMARKS.md section: date, GPU, software, commit, command, table."""
+    commit = os.environ.get("DSA_COMMIT") or _git_commit()
+    gpu = torch.cuda.get_device_name()
+    header = (
+        f"## {title}\n\n"
+        f"- date: {datetime.date.today().isoformat()}\n"
+        f"- GPU: {gpu}; torch {torch.__version__}, triton {triton.__version__}\n"
+        f"- commit: {commit}\n"
+        f"- command: `{command}`\n"
+    )
+    return header + (f"- {notes}\n" if notes else "") + "\n" + table + "\n"
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

@@ -1,0 +1,158 @@
+"""Static configuration of one indexer: scheduler limits, model sizes, cache and parallelism."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KV_CACHE_DTYPES = ("fp8", "mxfp4")
+LOGITS_BACKENDS = ("auto", "triton", "deepgemm")
+DECODE_LAYOUTS = ("auto", "native", "flat")
+NATIVE_NEXT_N = (1, 2)
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """Everything about an indexer that is fixed for the life of an engine.
+
+    Per-step buffers and every op's output capacity derive from these numbers, so a captured
+    decode step never sees a new shape.
+
+    Attributes:
+        max_num_reqs: most requests in one step (the largest captured batch).
+        max_num_batched_tokens: most tokens in one step.
+        max_model_len: longest sequence, in tokens.
+        num_heads: index heads H (DeepSeek V3.2: 64).
+        head_dim: index head dim D (DeepSeek V3.2: 128).
+        topk: tokens selected per query (DeepSeek V3.2: 2048).
+        block_size: tokens (states, when compressed) per block of the indexer K cache.
+        kernel_block_size: block size of the block table the engine passes. When it divides
+            ``block_size`` by a factor f > 1, the indexer table is ``block_table[:, ::f] // f``.
+            ``None``: the same as ``block_size``.
+        next_n: query tokens per decode request (1 + speculative tokens).
+        compress_ratio: tokens per compressed state R (DeepSeek V4); 1 = no compression.
+        dcp_world, dcp_rank, dcp_interleave: decode context parallelism (interleave 1 only).
+        kpool: slots of the GLM kpool tail cache per request; ``None`` = no tail cache.
+        kv_cache_dtype: "fp8" (SM90 layout) or "mxfp4" (Blackwell sm_10x only).
+        ue8m0_scales: round quantisation scales up to powers of two.
+        logits_backend: "auto" (DeepGEMM where it can run, else Triton), "triton", "deepgemm".
+        decode_layout: "native" ([B, next_n] rows, DeepGEMM's layout for next_n <= 2), "flat"
+            (one row per query token, any next_n), or "auto" (native iff next_n <= 2).
+        workspace_rows: prefill K workspace rows; ``None``: ``40 * max_model_len``.
+        max_logits_bytes: prefill logits budget per chunk (default 512 MiB).
+    """
+
+    max_num_reqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    num_heads: int = 64
+    head_dim: int = 128
+    topk: int = 2048
+    block_size: int = 64
+    kernel_block_size: int | None = None
+    next_n: int = 1
+    compress_ratio: int = 1
+    dcp_world: int = 1
+    dcp_rank: int = 0
+    dcp_interleave: int = 1
+    kpool: int | None = None
+    kv_cache_dtype: str = "fp8"
+    ue8m0_scales: bool = False
+    logits_backend: str = "auto"
+    decode_layout: str = "auto"
+    workspace_rows: int | None = None
+    max_logits_bytes: int = 512 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_reqs", "max_num_batched_tokens", "max_model_len", "num_heads",
+                     "head_dim", "topk", "block_size", "next_n", "compress_ratio", "dcp_world",
+                     "dcp_interleave", "max_logits_bytes"):
+            _positive(name, getattr(self, name))
+        for name in ("kernel_block_size", "kpool", "workspace_rows"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if isinstance(self.dcp_rank, bool) or not isinstance(self.dcp_rank, int) or not (
+            0 <= self.dcp_rank < self.dcp_world
+        ):
+            raise ValueError(
+                f"IndexerConfig: dcp_rank must be in [0, dcp_world={self.dcp_world}), "
+                f"got {self.dcp_rank!r}"
+            )
+        if self.dcp_world > 1 and self.dcp_interleave > 1:
+            raise NotImplementedError(
+                "IndexerConfig: DCP interleave > 1 is not supported (only interleave 1 is "
+                f"validated end to end), got dcp_interleave={self.dcp_interleave}"
+            )
+        kernel_block = self.kernel_block_size or self.block_size
+        if kernel_block > self.block_size or self.block_size % kernel_block:
+            raise ValueError(
+                f"IndexerConfig: kernel_block_size must divide block_size={self.block_size}, "
+                f"got {self.kernel_block_size}"
+            )
+        if self.max_num_batched_tokens < self.max_num_reqs:
+            raise ValueError(
+                "IndexerConfig: max_num_batched_tokens must be >= max_num_reqs "
+                f"({self.max_num_reqs}), got {self.max_num_batched_tokens}"
+            )
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_dtype == "mxfp4" and not _is_sm10x():
+            raise ValueError(
+                "IndexerConfig: kv_cache_dtype='mxfp4' needs a Blackwell datacenter GPU "
+                f"(sm_10x, e.g. B200/GB200); this machine has {_device_name()}"
+            )
+        if self.kv_cache_dtype == "mxfp4":
+            raise NotImplementedError("IndexerConfig: the mxfp4 K cache is not implemented yet")
+        _choice("logits_backend", self.logits_backend, LOGITS_BACKENDS)
+        _choice("decode_layout", self.decode_layout, DECODE_LAYOUTS)
+        if self.decode_layout == "native" and self.logits_backend == "deepgemm" and (
+            self.next_n not in NATIVE_NEXT_N
+        ):
+            raise ValueError(
+                f"IndexerConfig: DeepGEMM's native decode layout takes next_n in "
+                f"{NATIVE_NEXT_N}, got next_n={self.next_n}; use decode_layout='flat' or 'auto'"
+            )
+
+    @property
+    def table_factor(self) -> int:
+        """Engine block-table entries per indexer block."""
+        return self.block_size // (self.kernel_block_size or self.block_size)
+
+    @property
+    def layout(self) -> str:
+        """The decode layout in use: "native" or "flat"."""
+        if self.decode_layout != "auto":
+            return self.decode_layout
+        return "native" if self.next_n in NATIVE_NEXT_N else "flat"
+
+    @property
+    def max_blocks_per_req(self) -> int:
+        """Indexer blocks a request of ``max_model_len`` tokens spans."""
+        states = self.max_model_len // self.compress_ratio
+        return -(-states // self.block_size)
+
+    @property
+    def prefill_workspace_rows(self) -> int:
+        """Rows of the prefill K workspace (each D + 4 bytes)."""
+        return self.workspace_rows or 40 * self.max_model_len
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"IndexerConfig: {name} must be a positive int, got {value!r}")
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"IndexerConfig: {name} must be one of {list(choices)}, got {value!r}")
+
+
+def _is_sm10x() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+
+
+def _device_name() -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    return f"{torch.cuda.get_device_name()} (sm_{major}{minor})"

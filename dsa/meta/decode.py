@@ -1,0 +1,133 @@
+"""Decode metadata, built on the device from the step's batch tensors (SPEC §4, §6, §7).
+
+``build_decode_metadata`` is made only of ``torch.ops.dsa.*`` calls and elementwise torch:
+no host sync, no data-dependent shapes, so it traces with ``torch.compile(fullgraph=True)``
+and runs inside the decode step's CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dsa.config import IndexerConfig
+from dsa.meta.batch import Batch, check_batch
+from dsa.ops._deepgemm import deepgemm_paged_supported
+
+ops = torch.ops.dsa
+
+
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """Everything the indexer's decode leaves need, shared by all layers of a step.
+
+    Logits rows are ``[B, next_n]`` packed request rows (layout "native") or one row per
+    token (layout "flat"); ``context_lens`` and ``block_table`` are given per logits row.
+
+    Attributes:
+        layout: "native" or "flat".
+        next_n: query tokens per request in the native layout (1 in the flat layout).
+        query_start_loc: int32 ``[B + 1]`` of the batch (packs and unpacks native rows).
+        context_lens: int32 ``[B, next_n]`` or ``[T, 1]``: keys each logits row may attend to
+            on this rank (compressed states when R > 1, DCP-local when sharded).
+        global_context_lens: the same before DCP localisation (equal without DCP).
+        block_table: int32 indexer block table per logits row (``[B, W']`` or ``[T, W']``).
+        request_block_table: int32 ``[B, W']``, the indexer block table per request.
+        token_requests: int32 ``[T]``, request of each token; ``B + k`` for padding tokens.
+        slot_mapping: int64 ``[T]``, where each token's indexer K goes (-1: nowhere).
+        kpool_slot_mapping: int64 ``[T]`` kpool tail slots, or ``None`` without a tail cache.
+        schedule: DeepGEMM schedule for ``context_lens`` when DeepGEMM computes the logits.
+        max_context_len: static width of a logits row.
+    """
+
+    layout: str
+    next_n: int
+    query_start_loc: Tensor
+    context_lens: Tensor
+    global_context_lens: Tensor
+    block_table: Tensor
+    request_block_table: Tensor
+    token_requests: Tensor
+    slot_mapping: Tensor
+    kpool_slot_mapping: Tensor | None
+    schedule: Tensor | None
+    max_context_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_requests.shape[0]
+
+    @property
+    def packed(self) -> bool:
+        """Whether token rows must be packed into ``[B, next_n]`` rows (and unpacked after)."""
+        return self.layout == "native" and (
+            self.next_n > 1 or self.num_tokens != self.context_lens.shape[0]
+        )
+
+
+def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
+    """Builds the decode metadata of one step on the batch's device, without a host sync."""
+    check_batch("build_decode_metadata", cfg, batch)
+    qsl, seq_lens = batch.query_start_loc, batch.seq_lens
+    num_tokens = batch.num_tokens
+    ratio = cfg.compress_ratio
+
+    request_table = batch.block_table
+    if cfg.table_factor > 1:
+        request_table = ops.compress_block_table(request_table, cfg.table_factor)
+
+    if ratio > 1:
+        slot_mapping = ops.compressed_slot_mapping(
+            qsl, seq_lens, request_table, num_tokens, cfg.block_size, ratio,
+            cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
+        )
+    else:
+        slot_mapping = batch.slot_mapping
+    kpool_slots = None
+    if cfg.kpool is not None:
+        kpool_slots = ops.kpool_tail_slot_mapping(qsl, batch.block_table, batch.positions,
+                                                  cfg.kpool)
+
+    if cfg.layout == "native":
+        global_lens = ops.native_decode_lens(seq_lens, cfg.next_n)
+        row_table = request_table
+        next_n = cfg.next_n
+    else:
+        global_lens = ops.decode_token_lens(qsl, seq_lens, num_tokens).view(num_tokens, 1)
+        row_table = ops.expand_block_table(qsl, request_table, num_tokens)
+        next_n = 1
+    if ratio > 1:
+        global_lens = torch.div(global_lens, ratio, rounding_mode="floor")
+    local_lens = global_lens
+    if cfg.dcp_world > 1:
+        local_lens = ops.dcp_local_lens(global_lens, cfg.dcp_world, cfg.dcp_rank,
+                                        cfg.dcp_interleave)
+
+    schedule = None
+    if cfg.logits_backend != "triton" and deepgemm_paged_supported(
+        qsl.device, cfg.num_heads, cfg.head_dim, cfg.block_size, next_n
+    ):
+        schedule = ops.paged_mqa_schedule(local_lens, cfg.block_size)
+
+    return DecodeMetadata(
+        layout=cfg.layout,
+        next_n=next_n,
+        query_start_loc=qsl,
+        context_lens=local_lens,
+        global_context_lens=global_lens,
+        block_table=row_table,
+        request_block_table=request_table,
+        token_requests=ops.decode_row_requests(qsl, num_tokens),
+        slot_mapping=slot_mapping,
+        kpool_slot_mapping=kpool_slots,
+        schedule=schedule,
+        max_context_len=max_context_len(cfg),
+    )
+
+
+def max_context_len(cfg: IndexerConfig) -> int:
+    """Width of a decode logits row: the most keys one rank holds for one request."""
+    states = cfg.max_model_len // cfg.compress_ratio
+    return -(-states // cfg.dcp_world)

@@ -1,0 +1,169 @@
+"""Prefill metadata: chunking on the host, per-chunk bounds on the device (SPEC §5).
+
+Prefill runs outside decode graphs, so chunking reads host copies of the lengths; every
+tensor of a chunk is still built by ``torch.ops.dsa.*`` on the batch's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dsa.config import IndexerConfig
+from dsa.meta.batch import Batch, check_batch
+from dsa.meta.chunking import split_prefill_chunks
+
+ops = torch.ops.dsa
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One chunk of prefill requests and a slice of their query tokens.
+
+    Host ints:
+        req_start, req_end: the chunk's requests ``[req_start, req_end)`` in the batch.
+        token_start, token_end: the query tokens this chunk scores, as batch token indices.
+        num_rows: K rows of the whole chunk (compressed states), gathered once per chunk.
+        num_local_rows: the rows this DCP rank holds (``num_rows`` without DCP).
+        max_seqlen_k: widest valid span ``ke - ks`` of any query row (>= 1).
+        skip_gather: a later query slice of a chunk whose K is already gathered.
+    Device tensors (int32):
+        block_table: ``[n, W']`` the chunk's rows of the indexer block table.
+        cu_seq_lens, local_cu_seq_lens: ``[n + 1]`` row offsets of each request (global,
+            and on this rank).
+        token_to_seq: ``[num_rows]`` chunk-relative request of each gathered row.
+        ks, ke: ``[q]`` each query row's valid key rows ``[ks, ke)`` in the local workspace.
+        global_lens: ``[q]`` each query row's global compressed context length.
+    """
+
+    req_start: int
+    req_end: int
+    token_start: int
+    token_end: int
+    num_rows: int
+    num_local_rows: int
+    max_seqlen_k: int
+    skip_gather: bool
+    block_table: Tensor
+    cu_seq_lens: Tensor
+    local_cu_seq_lens: Tensor
+    token_to_seq: Tensor
+    ks: Tensor
+    ke: Tensor
+    global_lens: Tensor
+
+
+@dataclass(frozen=True)
+class PrefillMetadata:
+    """The chunks of a step's prefill requests and where their K goes.
+
+    Attributes:
+        chunks: chunks in token order; together they cover every prefill query token.
+        slot_mapping: int64 ``[T]`` indexer K-cache slot of each token (-1: nowhere).
+        request_block_table: int32 ``[B, W']`` the indexer block table per request.
+        token_requests: int32 ``[T]`` request of each token (``B + k`` for padding tokens).
+    """
+
+    chunks: tuple[PrefillChunk, ...]
+    slot_mapping: Tensor
+    request_block_table: Tensor
+    token_requests: Tensor
+
+
+def build_prefill_metadata(
+    cfg: IndexerConfig,
+    batch: Batch,
+    *,
+    num_decodes: int = 0,
+    seq_lens_cpu: Sequence[int] | Tensor | None = None,
+    query_start_loc_cpu: Sequence[int] | Tensor | None = None,
+) -> PrefillMetadata:
+    """Chunks the prefill requests ``[num_decodes, B)`` of ``batch`` and builds each chunk.
+
+    ``seq_lens_cpu`` / ``query_start_loc_cpu``: host copies of the batch's lengths, which an
+    engine already has; without them they are copied from the device (one sync).
+    """
+    check_batch("build_prefill_metadata", cfg, batch)
+    seq_host = _host_list(seq_lens_cpu if seq_lens_cpu is not None else batch.seq_lens)
+    qsl_host = _host_list(
+        query_start_loc_cpu if query_start_loc_cpu is not None else batch.query_start_loc
+    )
+    num_reqs = batch.num_reqs
+    if len(seq_host) != num_reqs or len(qsl_host) != num_reqs + 1:
+        raise ValueError(
+            "dsa.build_prefill_metadata: host lengths must match the batch: "
+            f"len(seq_lens_cpu)={len(seq_host)} (want {num_reqs}), "
+            f"len(query_start_loc_cpu)={len(qsl_host)} (want {num_reqs + 1})"
+        )
+    if not 0 <= num_decodes <= num_reqs:
+        raise ValueError(f"dsa.build_prefill_metadata: `num_decodes` must be in [0, {num_reqs}], "
+                         f"got {num_decodes}")
+
+    ratio = cfg.compress_ratio
+    request_table = batch.block_table
+    if cfg.table_factor > 1:
+        request_table = ops.compress_block_table(request_table, cfg.table_factor)
+    if ratio > 1:
+        slot_mapping = ops.compressed_slot_mapping(
+            batch.query_start_loc, batch.seq_lens, request_table, batch.num_tokens,
+            cfg.block_size, ratio, cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
+        )
+    else:
+        slot_mapping = batch.slot_mapping
+
+    states = [s // ratio for s in seq_host]
+    local_states = [_local_len(n, cfg) for n in states]
+    query_lens = [qsl_host[r + 1] - qsl_host[r] for r in range(num_reqs)]
+    pieces = split_prefill_chunks(
+        states[num_decodes:], query_lens[num_decodes:], cfg.prefill_workspace_rows,
+        cfg.max_logits_bytes,
+    )
+    chunks = []
+    for req_slice, query_slice in pieces:
+        start, end = req_slice.start + num_decodes, req_slice.stop + num_decodes
+        num_rows = sum(states[start:end])
+        bounds = ops.prefill_chunk_bounds(
+            batch.query_start_loc, batch.seq_lens, start, end, query_slice.start,
+            query_slice.stop, num_rows, ratio, cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
+        )
+        cu_seq_lens, local_cu_seq_lens, token_to_seq, ks, ke, global_lens = bounds
+        chunks.append(
+            PrefillChunk(
+                req_start=start,
+                req_end=end,
+                token_start=qsl_host[start] + query_slice.start,
+                token_end=qsl_host[start] + query_slice.stop,
+                num_rows=num_rows,
+                num_local_rows=sum(local_states[start:end]),
+                max_seqlen_k=max([1, *local_states[start:end]]),
+                skip_gather=query_slice.start > 0,
+                block_table=request_table[start:end],
+                cu_seq_lens=cu_seq_lens,
+                local_cu_seq_lens=local_cu_seq_lens,
+                token_to_seq=token_to_seq,
+                ks=ks,
+                ke=ke,
+                global_lens=global_lens,
+            )
+        )
+    return PrefillMetadata(
+        chunks=tuple(chunks),
+        slot_mapping=slot_mapping,
+        request_block_table=request_table,
+        token_requests=ops.decode_row_requests(batch.query_start_loc, batch.num_tokens),
+    )
+
+
+def _local_len(n: int, cfg: IndexerConfig) -> int:
+    """This DCP rank's share of ``n`` keys (interleave 1)."""
+    return (n + cfg.dcp_world - 1 - cfg.dcp_rank) // cfg.dcp_world
+
+
+def _host_list(x: Sequence[int] | Tensor) -> list[int]:
+    values = x.tolist() if isinstance(x, Tensor) else list(x)
+    if any(v < 0 for v in values):
+        raise ValueError(f"dsa.build_prefill_metadata: lengths must be >= 0, got {values}")
+    return [int(v) for v in values]

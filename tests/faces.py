@@ -1,0 +1,67 @@
+"""Running one op face on CPU-side inputs, for tests that compare faces to the reference.
+
+- ``"cpu"``: ``torch.ops.dsa.<op>`` on CPU tensors (the CPU face through the dispatcher).
+- ``"kernel"``: the CUDA face. With a GPU, ``torch.ops.dsa.<op>`` on CUDA copies of the
+  inputs; without one, the CUDA face called directly on the CPU tensors, which runs its
+  Triton kernel under ``TRITON_INTERPRET=1`` (set by conftest).
+- ``"fake"``: the op as tracing runs it, under FakeTensorMode (shapes and checks only).
+
+Outputs always come back as CPU tensors. ``KERNEL_MARK`` marks kernel-face tests (``gpu``
+on a CUDA machine, ``interpret`` elsewhere); ``CPU_EXAMPLES`` / ``KERNEL_EXAMPLES`` are the
+hypothesis budgets of the two (the interpreter costs ~1 ms per Triton program).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import settings
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from dsa.ops import FACES
+
+HAS_CUDA = torch.cuda.is_available()
+KERNEL_MARK = pytest.mark.gpu if HAS_CUDA else pytest.mark.interpret
+
+
+def _to(x: Any, device: str) -> Any:
+    if isinstance(x, torch.Tensor):  # keep the strides: kernels must honour them
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device).copy_(x)
+    if isinstance(x, tuple):
+        return tuple(_to(v, device) for v in x)
+    return x
+
+
+def run_op(face: str, name: str, *args: Any) -> Any:
+    """Runs op ``name`` on ``face`` ("cpu", "kernel" or "fake"); returns CPU tensor(s)
+    (fake tensors for "fake")."""
+    if face == "cpu":
+        return getattr(torch.ops.dsa, name)(*args)
+    if face == "fake":
+        return _run_fake(name, *args)
+    if face != "kernel":
+        raise ValueError(f"unknown face {face!r}")
+    if HAS_CUDA:
+        return _to(getattr(torch.ops.dsa, name)(*_to(args, "cuda")), "cpu")
+    return FACES[name].cuda(*args)
+
+
+CPU_EXAMPLES = settings(max_examples=250)
+KERNEL_EXAMPLES = settings(max_examples=25)
+
+
+def strided_rows(table: torch.Tensor, extra: int = 3) -> torch.Tensor:
+    """The same values as ``table`` in a row-strided view (stride(0) > width)."""
+    wide = torch.full((table.shape[0], table.shape[1] + extra), 12345, dtype=table.dtype)
+    wide[:, : table.shape[1]] = table
+    return wide[:, : table.shape[1]]
+
+
+def _run_fake(name: str, *args: Any) -> Any:
+    """Runs op ``name`` as tracing does: under FakeTensorMode, on fake copies of ``args``."""
+    mode = FakeTensorMode()
+    fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+    with mode:
+        return getattr(torch.ops.dsa, name)(*fake_args)

@@ -1,0 +1,199 @@
+"""Decode metadata ops (SPEC §4) against the loop reference, on both faces."""
+
+import pytest
+import reference_meta as ref
+import torch
+from faces import CPU_EXAMPLES, KERNEL_EXAMPLES, KERNEL_MARK, run_op, strided_rows
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import BatchSpec, batches, decode_batches
+
+FACE_NAMES = ["cpu", pytest.param("kernel", marks=KERNEL_MARK)]
+i32 = lambda x: torch.tensor(x, dtype=torch.int32)
+
+
+# --- SPEC worked example -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_spec_per_token_lengths(face):
+    qsl, seq_lens = i32([0, 3, 4, 8, 8]), i32([10, 7, 12, 0])
+    expected = [8, 9, 10, 7, 9, 10, 11, 12]
+    assert ref.decode_token_lens(qsl.tolist(), seq_lens.tolist(), 8) == expected
+    assert run_op(face, "decode_token_lens", qsl, seq_lens, 10).tolist() == [*expected, 0, 0]
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_native_lens_of_padding_rows_are_zero_not_negative(face):
+    out = run_op(face, "native_decode_lens", i32([0, 1, 5]), 3)
+    assert out.tolist() == [[0, 0, 0], [0, 0, 1], [3, 4, 5]]
+
+
+@given(b=batches())
+def test_batch_strategy_contract(b):
+    """The shared strategy: decodes, prefills, padding in that order; every request's
+    blocks in its table row; distinct block ids; capacity covers the real tokens."""
+    kinds = [0 if q == 0 else 1 if q <= b.next_n else 2 for q in b.query_lens]
+    assert kinds == [1] * b.num_decodes + [2] * b.num_prefills + [0] * kinds.count(0)
+    assert all(s == 0 for q, s in zip(b.query_lens, b.seq_lens) if q == 0)
+    assert all(s >= q and -(-s // b.block_size) <= b.width
+               for q, s in zip(b.query_lens, b.seq_lens))
+    ids = [i for row in b.block_table for i in row]
+    assert len(set(ids)) == len(ids) == b.num_reqs * b.width
+    assert b.num_tokens >= b.num_real_tokens
+    t = b.tensors()
+    assert t.block_table.shape == (b.num_reqs, b.width)
+    assert t.slot_mapping.shape == t.positions.shape == (b.num_tokens,)
+
+
+# --- properties against the reference ------------------------------------------------------
+
+
+def check_decode_token_lens(face: str, b: BatchSpec) -> None:
+    t = b.tensors()
+    out = run_op(face, "decode_token_lens", t.query_start_loc, t.seq_lens, b.num_tokens)
+    assert out.dtype == torch.int32
+    assert out.tolist() == ref.decode_token_lens(b.query_start_loc, b.seq_lens, b.num_tokens)
+
+
+def check_native_decode_lens(face: str, b: BatchSpec) -> None:
+    out = run_op(face, "native_decode_lens", b.tensors().seq_lens, b.next_n)
+    assert out.dtype == torch.int32
+    assert out.tolist() == ref.native_decode_lens(b.seq_lens, b.next_n)
+
+
+def check_native_matches_per_token(b: BatchSpec) -> None:
+    """Right-aligned: slot next_n - d + i of request r has token i's true length."""
+    native = ref.native_decode_lens(b.seq_lens, b.next_n)
+    flat = ref.decode_token_lens(b.query_start_loc, b.seq_lens, b.num_real_tokens)
+    packed = ref.pack_decode_rows(flat, b.query_start_loc, b.next_n, None)
+    for row, lens in zip(packed, native):
+        assert all(p is None or p == n for p, n in zip(row, lens))
+
+
+def check_expand_block_table(face: str, b: BatchSpec, strided: bool) -> None:
+    t = b.tensors()
+    table = strided_rows(t.block_table) if strided else t.block_table
+    out = run_op(face, "expand_block_table", t.query_start_loc, table, b.num_tokens)
+    assert out.dtype == torch.int32 and out.shape == (b.num_tokens, b.width)
+    assert out.tolist() == ref.expand_block_table(b.query_start_loc, b.block_table,
+                                                  b.num_tokens, b.width)
+
+
+def check_decode_row_requests(face: str, b: BatchSpec) -> None:
+    out = run_op(face, "decode_row_requests", b.tensors().query_start_loc, b.num_tokens)
+    assert out.dtype == torch.int32
+    assert out.tolist() == ref.decode_row_requests(b.query_start_loc, b.num_tokens)
+
+
+@CPU_EXAMPLES
+@given(b=decode_batches(max_reqs=6))
+def test_decode_token_lens_cpu(b):
+    check_decode_token_lens("cpu", b)
+
+
+@CPU_EXAMPLES
+@given(b=decode_batches(max_reqs=6))
+def test_native_decode_lens_cpu(b):
+    check_native_decode_lens("cpu", b)
+    check_native_matches_per_token(b)
+
+
+@CPU_EXAMPLES
+@given(b=decode_batches(max_reqs=6), strided=st.booleans())
+def test_expand_block_table_cpu(b, strided):
+    check_expand_block_table("cpu", b, strided)
+
+
+@CPU_EXAMPLES
+@given(b=decode_batches(max_reqs=6))
+def test_decode_row_requests_cpu(b):
+    check_decode_row_requests("cpu", b)
+
+
+@KERNEL_MARK
+@KERNEL_EXAMPLES
+@given(b=decode_batches(max_reqs=3))
+def test_decode_token_lens_kernel(b):
+    check_decode_token_lens("kernel", b)
+
+
+@KERNEL_MARK
+@KERNEL_EXAMPLES
+@given(b=decode_batches(max_reqs=3))
+def test_native_decode_lens_kernel(b):
+    check_native_decode_lens("kernel", b)
+
+
+@KERNEL_MARK
+@KERNEL_EXAMPLES
+@given(b=decode_batches(max_reqs=3, max_context=8), strided=st.booleans())
+def test_expand_block_table_kernel(b, strided):
+    check_expand_block_table("kernel", b, strided)
+
+
+@KERNEL_MARK
+@KERNEL_EXAMPLES
+@given(b=decode_batches(max_reqs=3))
+def test_decode_row_requests_kernel(b):
+    check_decode_row_requests("kernel", b)
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_empty_batch(face):
+    qsl, empty = i32([0]), i32([])
+    assert run_op(face, "decode_token_lens", qsl, empty, 3).tolist() == [0, 0, 0]
+    assert run_op(face, "native_decode_lens", empty, 2).shape == (0, 2)
+    table = torch.zeros((0, 4), dtype=torch.int32)
+    assert run_op(face, "expand_block_table", qsl, table, 2).tolist() == [[0] * 4] * 2
+    assert run_op(face, "decode_row_requests", qsl, 3).tolist() == [0, 1, 2]
+
+
+# --- opcheck and validation ----------------------------------------------------------------
+
+QSL, SEQ, TABLE = i32([0, 2, 3, 3]), i32([5, 1, 0]), i32([[4, 5], [6, 7], [8, 9]])
+
+OPCHECK_CASES = [
+    ("decode_token_lens", (QSL, SEQ, 5)),
+    ("decode_token_lens", (i32([0]), i32([]), 2)),
+    ("native_decode_lens", (SEQ, 2)),
+    ("native_decode_lens", (i32([7]), 1)),
+    ("expand_block_table", (QSL, TABLE, 5)),
+    ("expand_block_table", (QSL, strided_rows(TABLE), 3)),
+    ("decode_row_requests", (QSL, 6)),
+    ("decode_row_requests", (i32([0]), 0)),
+]
+
+
+@pytest.mark.parametrize(("name", "args"), OPCHECK_CASES)
+def test_opcheck(name, args):
+    torch.library.opcheck(getattr(torch.ops.dsa, name), args)
+
+
+ERROR_CASES = [
+    ("decode_token_lens", (QSL.long(), SEQ, 4), TypeError, "`query_start_loc` must be torch.int32"),
+    ("decode_token_lens", (QSL.view(1, 4), SEQ, 4), ValueError,
+     "`query_start_loc` must have 1 dimension"),
+    ("decode_token_lens", (QSL, SEQ[:2], 4), ValueError, "`seq_lens` must have size 3"),
+    ("decode_token_lens", (QSL, SEQ, -1), ValueError, "`num_tokens` must be >= 0"),
+    ("native_decode_lens", (SEQ.float(), 2), TypeError, "`seq_lens` must be torch.int32"),
+    ("native_decode_lens", (SEQ.view(3, 1), 2), ValueError, "`seq_lens` must have 1 dim"),
+    ("native_decode_lens", (SEQ, 0), ValueError, "`next_n` must be >= 1"),
+    ("expand_block_table", (QSL, TABLE.long(), 4), TypeError, "`block_table` must be torch.int32"),
+    ("expand_block_table", (QSL, TABLE[0], 4), ValueError, "`block_table` must have 2 dim"),
+    ("expand_block_table", (QSL, TABLE[:2], 4), ValueError, "`block_table` must have size 3"),
+    ("expand_block_table", (QSL, TABLE.t(), 4), ValueError, "must have size 3"),
+    ("expand_block_table", (QSL, i32([[1, 2, 3, 4]] * 3)[:, ::2], 4), ValueError,
+     r"stride\(1\) == 1"),
+    ("expand_block_table", (QSL, TABLE, -2), ValueError, "`num_tokens` must be >= 0"),
+    ("decode_row_requests", (i32([]), 4), ValueError, "num_reqs \\+ 1 >= 1 entries"),
+    ("decode_row_requests", (QSL, -1), ValueError, "`num_tokens` must be >= 0"),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "error", "match"), ERROR_CASES)
+@pytest.mark.parametrize("face", ["cpu", "fake"])
+def test_validation_errors(name, args, error, match, face):
+    """The same error eagerly and at trace time (the fake face runs the same checks)."""
+    with pytest.raises(error, match=match):
+        run_op(face, name, *args)

@@ -1,0 +1,184 @@
+"""Whole decode steps as CUDA graphs: no sync, no graph break, no recompile, replay == eager.
+
+Runs on the GPU machine only. Each configuration captures two buckets and replays 20+
+batch compositions in each (mixed lengths, graph padding, an all-padding batch, uneven
+decode lengths, contexts from the query tokens alone to max_model_len).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import dsa
+from dsa.graphs import DecodeGraphRunner, pad_batch
+from dsa.ops._deepgemm import deepgemm_paged_supported
+from tests.batches import random_decode_batch, table_width
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN, Q_LORA_RANK, LAYERS = 256, 128, 2
+BUCKETS = (4, 8)
+COMPOSITIONS = 20
+
+
+def make_cfg(**overrides) -> dsa.IndexerConfig:
+    base = {"max_num_reqs": max(BUCKETS), "max_num_batched_tokens": 64, "max_model_len": 2048,
+            "topk": 128}
+    return dsa.IndexerConfig(**{**base, **overrides})
+
+
+def make_layers(cfg: dsa.IndexerConfig) -> list[dsa.Indexer]:
+    width = table_width(cfg)
+    return [dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK,
+                        num_blocks=max(BUCKETS) * width, device="cuda")
+            for _ in range(LAYERS)]
+
+
+def make_step(cfg: dsa.IndexerConfig, layers: list[dsa.Indexer] | None = None):
+    layers = layers or make_layers(cfg)
+
+    def step(batch: dsa.Batch, hidden: torch.Tensor, q_latent: torch.Tensor):
+        meta = dsa.build_decode_metadata(cfg, batch)
+        outs = [layer(hidden, q_latent, batch.positions, meta) for layer in layers]
+        return [o.indices for o in outs] + [o.slots for o in outs]
+
+    return step
+
+
+def compositions(cfg: dsa.IndexerConfig, bucket: int, rng: random.Random):
+    """Live batches that replay in ``bucket``: empty, full, and random sizes between."""
+    lower = max([b for b in BUCKETS if b < bucket], default=0)
+    sizes = [0, bucket] + [rng.randint(lower + 1, bucket) for _ in range(COMPOSITIONS - 2)]
+    if lower:  # an all-padding batch only replays in the smallest bucket
+        sizes[0] = lower + 1
+    for n in sizes:
+        yield random_decode_batch(rng, cfg, n, device="cuda", uneven=rng.random() < 0.7)
+
+
+def token_inputs(num_tokens: int) -> dict[str, torch.Tensor]:
+    return {"hidden": torch.randn(num_tokens, HIDDEN, device="cuda", dtype=torch.bfloat16),
+            "q_latent": torch.randn(num_tokens, Q_LORA_RANK, device="cuda",
+                                    dtype=torch.bfloat16)}
+
+
+@contextlib.contextmanager
+def strict_replay():
+    """Any host sync raises; any recompile of the compiled step raises."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+CONFIGS = {
+    "next_n1": {"next_n": 1},
+    "next_n2_native": {"next_n": 2},
+    "next_n3_flat": {"next_n": 3},
+    "compress4": {"next_n": 2, "compress_ratio": 4},
+    "next_n1_triton": {"next_n": 1, "logits_backend": "triton"},
+    "next_n2_triton": {"next_n": 2, "logits_backend": "triton"},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("compile_backend", ["inductor", "aot_eager"])
+def test_decode_step_replays_as_one_graph(name, compile_backend):
+    if compile_backend == "aot_eager" and name not in ("next_n2_native", "next_n3_flat"):
+        pytest.skip("aot_eager (bitwise eager numerics) runs on two configs")
+    torch._dynamo.reset()
+    cfg = make_cfg(**CONFIGS[name])
+    step = make_step(cfg)
+    runner = DecodeGraphRunner(
+        step, cfg, sizes=BUCKETS, table_width=table_width(cfg),
+        token_inputs={"hidden": ((HIDDEN,), torch.bfloat16),
+                      "q_latent": ((Q_LORA_RANK,), torch.bfloat16)},
+        compile_backend=compile_backend,
+    )
+    runner.capture()
+    rng = random.Random(hash(name) % 1000)
+    for bucket in BUCKETS:
+        for live in compositions(cfg, bucket, rng):
+            assert runner.bucket(live.num_reqs) == bucket
+            x = token_inputs(live.num_tokens)
+            with strict_replay():
+                got = runner.replay(live, **x)
+            padded = pad_batch(live, bucket, bucket * cfg.next_n, table_width(cfg))
+            padded_x = {k: torch.cat([v, v.new_zeros(padded.num_tokens - len(v), v.shape[1])])
+                        for k, v in x.items()}
+            with torch.compiler.set_stance("fail_on_recompile"):
+                want = runner.step(padded, **padded_x)
+            for g, w in zip(got, want):
+                assert torch.equal(g, w[: live.num_tokens])
+            if compile_backend == "aot_eager":  # the uncompiled step, bit for bit
+                for g, w in zip(got, step(padded, **padded_x)):
+                    assert torch.equal(g, w[: live.num_tokens])
+
+    live = random_decode_batch(rng, cfg, BUCKETS[-1], device="cuda")
+    x = token_inputs(live.num_tokens)
+    first = runner.replay(live, **x)
+    with strict_replay():
+        for _ in range(20):
+            again = runner.replay(live, **x)
+            assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("compress_ratio", [1, 4])
+def test_dcp_metadata_replays_as_one_graph(rank, compress_ratio):
+    torch._dynamo.reset()
+    cfg = make_cfg(next_n=2, dcp_world=2, dcp_rank=rank, compress_ratio=compress_ratio)
+    build = lambda batch: dsa.build_decode_metadata(cfg, batch)
+    runner = DecodeGraphRunner(build, cfg, sizes=BUCKETS, table_width=table_width(cfg),
+                               token_inputs={})
+    runner.capture()
+    rng = random.Random(rank)
+    for bucket in BUCKETS:
+        for live in compositions(cfg, bucket, rng):
+            with strict_replay():
+                got = runner.replay(live)
+            want = dsa.build_decode_metadata(cfg, pad_batch(live, bucket, bucket * cfg.next_n,
+                                                            table_width(cfg)))
+            for field in ("context_lens", "global_context_lens", "block_table",
+                          "token_requests", "slot_mapping"):
+                g, w = getattr(got, field), getattr(want, field)
+                if g.shape[0] != w.shape[0]:  # token-major fields are cut to live tokens
+                    w = w[: g.shape[0]]
+                assert torch.equal(g, w), field
+
+
+@pytest.mark.parametrize("backend", ["triton", "deepgemm"])
+def test_reduce_overhead_mode_captures_without_skips(backend):
+    cfg = make_cfg(next_n=2, logits_backend=backend)
+    if backend == "deepgemm" and not deepgemm_paged_supported(
+        torch.device("cuda"), cfg.num_heads, cfg.head_dim, cfg.block_size, cfg.next_n
+    ):
+        pytest.skip("DeepGEMM is not usable here")
+    torch._dynamo.reset()
+    counters.clear()
+    layers = make_layers(cfg)
+    eager_reference = make_step(cfg, copy.deepcopy(layers))  # same weights, its own caches
+    step = make_step(cfg, layers)
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    rng = random.Random(7)
+    bucket = BUCKETS[-1]
+    with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
+        for i in range(8):
+            live = random_decode_batch(rng, cfg, rng.randint(1, bucket), device="cuda")
+            padded = pad_batch(live, bucket, bucket * cfg.next_n, table_width(cfg))
+            x = token_inputs(padded.num_tokens)
+            with (torch.compiler.set_stance("fail_on_recompile") if i > 2
+                  else contextlib.nullcontext()):
+                got = [t.clone() for t in compiled(padded, **x)]
+            want = eager_reference(padded, **x)
+            for g, w in zip(got, want):
+                same = (g.sort(-1).values == w.sort(-1).values).float().mean().item()
+                assert same > 0.99
+    assert counters["inductor"]["cudagraph_skips"] == 0
