@@ -13,7 +13,7 @@ from torch import Tensor
 
 from dsa import Batch, DecodeMetadata, IndexerConfig
 from dsa.meta.decode import max_context_len
-from dsa.ops._deepgemm import deepgemm_module, deepgemm_paged_supported, num_sms
+from dsa.ops._deepgemm import deep_gemm, deepgemm_paged_supported, num_sms
 
 
 def host_built_decode_metadata(cfg: IndexerConfig, batch: Batch, query_start_loc_cpu: Tensor
@@ -35,7 +35,7 @@ def host_built_decode_metadata(cfg: IndexerConfig, batch: Batch, query_start_loc
         requests = torch.cat([requests, extra])
     schedule = None
     if deepgemm_paged_supported(device, cfg.num_heads, cfg.head_dim, cfg.block_size, cfg.next_n):
-        schedule = deepgemm_module().get_paged_mqa_logits_metadata(
+        schedule = deep_gemm().get_paged_mqa_logits_metadata(
             context_lens.clamp(min=1), cfg.block_size, num_sms(device))
     return DecodeMetadata(
         layout="native",

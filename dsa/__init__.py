@@ -1,5 +1,35 @@
-"""dsa: the DeepSeek Sparse Attention lightning indexer, torch.compile-first."""
+"""dsa: the DeepSeek Sparse Attention lightning indexer as torch custom ops.
+
+Importing ``dsa`` registers ``torch.ops.dsa.*``. The public API: ``IndexerConfig``,
+``Batch``, ``build_decode_metadata`` / ``build_prefill_metadata`` and their metadata types,
+the ``Indexer`` layer, and ``dsa.graphs`` for CUDA-graph capture of decode steps.
+"""
 
 from dsa import ops
+from dsa.config import IndexerConfig
+from dsa.indexer import Indexer, IndexerOutput
+from dsa.meta import (
+    Batch,
+    DecodeMetadata,
+    PrefillChunk,
+    PrefillMetadata,
+    build_decode_metadata,
+    build_prefill_metadata,
+    split_prefill_chunks,
+)
 
-__all__ = ["ops"]
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch",
+    "DecodeMetadata",
+    "Indexer",
+    "IndexerConfig",
+    "IndexerOutput",
+    "PrefillChunk",
+    "PrefillMetadata",
+    "build_decode_metadata",
+    "build_prefill_metadata",
+    "ops",
+    "split_prefill_chunks",
+]
