@@ -1,1 +1,155 @@
-"""Placeholder: being written."""
+"""fp8 e4m3 quantisation of the indexer's q and k (SPEC §2-§3), and ``dsa::quantize_q``.
+
+One row (a token's k, or one head of a token's q) shares one fp32 scale::
+
+    amax  = max(max|x|, 1e-4)
+    scale = amax / 448                       (ue8m0: rounded up to a power of two)
+    x_fp8 = fp8_e4m3(x / scale)              (round to nearest even, saturating at ±448)
+
+The Triton helpers encode fp8 bytes with integer arithmetic (correctly rounded division,
+round-to-nearest-even by hand) so GPU, interpreter and torch agree byte for byte.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dsa.ops._checks import check_size, check_tensor
+from dsa.ops._registry import register
+
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# --- torch ---------------------------------------------------------------------------------
+
+
+def _pow2_ceil(x: Tensor) -> Tensor:
+    """Smallest power of two >= x, for positive normal fp32 x (exact, on the bits)."""
+    bits = x.view(torch.int32)
+    exponent = bits & 0x7F800000
+    exponent = torch.where((bits & 0x7FFFFF) != 0, exponent + 0x800000, exponent)
+    return exponent.view(torch.float32)
+
+
+def fp8_scales(amax: Tensor, ue8m0: bool) -> Tensor:
+    """fp32 scales from fp32 row maxima of |x|."""
+    scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    return _pow2_ceil(scale) if ue8m0 else scale
+
+
+def quantize_rows(x: Tensor, ue8m0: bool) -> tuple[Tensor, Tensor]:
+    """Quantises ``x`` along its last dimension: (fp8 values, fp32 scales ``x.shape[:-1]``)."""
+    xf = x.float()
+    scale = fp8_scales(xf.abs().amax(dim=-1), ue8m0)
+    values = (xf / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values, scale
+
+
+# --- Triton helpers (shared with the K-cache write) ----------------------------------------
+
+
+@triton.jit
+def fp8_scale_of(amax, UE8M0: tl.constexpr):
+    """fp32 scale of rows with fp32 maxima ``amax`` (see the module docstring)."""
+    scale = tl.div_rn(tl.maximum(amax, 1e-4), 448.0)
+    if UE8M0:
+        bits = scale.to(tl.int32, bitcast=True)
+        exponent = bits & 0x7F800000
+        exponent = tl.where((bits & 0x7FFFFF) != 0, exponent + 0x800000, exponent)
+        scale = exponent.to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def fp8_e4m3_bits(x):
+    """uint8 e4m3fn codes of fp32 ``x``: round to nearest even, saturate at ±448."""
+    a = tl.minimum(tl.abs(x), 448.0)
+    # Normal range (a >= 2**-6): round the fp32 mantissa to 3 bits (ties to even; a carry
+    # moves into the exponent), then rebias the exponent from 127 to 7.
+    bits = a.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20
+    normal = rounded - (120 << 3)
+    # Subnormal range: multiples of 2**-9, ties to even (a code of 8 is the smallest normal).
+    t = a * 512.0
+    n = tl.floor(t)
+    frac = t - n
+    odd = (n.to(tl.int32) & 1) == 1
+    subnormal = n.to(tl.int32) + ((frac > 0.5) | ((frac == 0.5) & odd)).to(tl.int32)
+    code = tl.where(a < 0.015625, subnormal, normal)
+    sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+    return (code | (sign << 7)).to(tl.uint8)
+
+
+# --- quantize_q ----------------------------------------------------------------------------
+
+
+def _quantize_q_out(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+    op = "quantize_q"
+    check_tensor(op, "q", q, dtype=FLOAT_DTYPES, ndim=3, contiguous=True)
+    check_tensor(op, "weights", weights, dtype=FLOAT_DTYPES, ndim=2, like=q)
+    num_tokens, num_heads, head_dim = q.shape
+    check_size(op, "weights", weights, 0, num_tokens, "num_tokens = q.shape[0]")
+    check_size(op, "weights", weights, 1, num_heads, "num_heads = q.shape[1]")
+    if head_dim < 1:
+        raise ValueError(f"dsa.{op}: `q` must have head_dim >= 1, got shape {tuple(q.shape)}")
+    q_fp8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+    head_weights = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    return q_fp8, head_weights
+
+
+def _weight_scale(num_heads: int, head_dim: int) -> float:
+    return num_heads**-0.5 * head_dim**-0.5
+
+
+def _quantize_q_cpu(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+    q_fp8, head_weights = _quantize_q_out(q, weights, ue8m0)
+    values, scale = quantize_rows(q, ue8m0)
+    q_fp8.copy_(values)
+    head_weights.copy_(weights.float() * _weight_scale(*q.shape[1:]) * scale)
+    return q_fp8, head_weights
+
+
+@triton.jit
+def _quantize_q_kernel(q_ptr, w_ptr, w_stride0, w_stride1, out_ptr, hw_ptr, num_rows, w_scale,
+                       H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_R: tl.constexpr, UE8M0: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (d < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + d[None, :]
+    x = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = fp8_scale_of(tl.max(tl.abs(x), axis=1), UE8M0)
+    tl.store(out_ptr + offs, fp8_e4m3_bits(tl.div_rn(x, scale[:, None])), mask=mask)
+    tok = rows // H
+    head = rows % H
+    w = tl.load(w_ptr + tok * w_stride0 + head * w_stride1, mask=row_ok, other=0.0)
+    tl.store(hw_ptr + rows, w.to(tl.float32) * w_scale * scale, mask=row_ok)
+
+
+def _quantize_q_cuda(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+    q_fp8, head_weights = _quantize_q_out(q, weights, ue8m0)
+    num_tokens, num_heads, head_dim = q.shape
+    num_rows = num_tokens * num_heads
+    if num_rows:
+        block_d = triton.next_power_of_2(head_dim)
+        block_r = max(1, min(64, 4096 // block_d))
+        _quantize_q_kernel[(triton.cdiv(num_rows, block_r),)](
+            q, weights, weights.stride(0), weights.stride(1), q_fp8.view(torch.uint8),
+            head_weights, num_rows, _weight_scale(num_heads, head_dim),
+            H=num_heads, D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, UE8M0=ue8m0,
+        )
+    return q_fp8, head_weights
+
+
+quantize_q = register(
+    "quantize_q",
+    cpu=_quantize_q_cpu,
+    cuda=_quantize_q_cuda,
+    fake=_quantize_q_out,
+)

@@ -1,0 +1,410 @@
+"""dsa::paged_mqa_logits, dsa::mqa_logits and dsa::paged_mqa_schedule against the float64
+reference of SPEC §3: the torch backend (CPU face) and Triton (the kernel face: on the GPU
+when there is one, else under the interpreter), on small shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import reference_compute as ref
+import torch
+from faces import HAS_CUDA, KERNEL_MARK, run_op
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from dsa.ops import _deepgemm
+from dsa.ops.logits import (
+    MqaLogitsConfig,
+    PagedLogitsConfig,
+    mqa_logits_triton,
+    paged_logits_triton,
+)
+from dsa.ops.quant import quantize_rows
+
+# Faces and the backend each runs: the CPU face in torch, the kernel face (CUDA copies with
+# a GPU, else the CPU tensors under the Triton interpreter) in Triton.
+FACES = ("cpu", pytest.param("kernel", marks=KERNEL_MARK))
+BACKEND = {"cpu": "torch", "kernel": "triton"}
+# opcheck's test_schema compares inputs with torch.allclose, which CPU fp8 tensors lack;
+# fp8_inputs_unchanged checks the same (no input is mutated) byte for byte.
+OPCHECK_UTILS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+
+
+def on_kernel_device(args: tuple) -> tuple:
+    """``args`` where the Triton kernels run them: CUDA with a GPU, else CPU."""
+    if not HAS_CUDA:
+        return args
+    return tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _align(n: int, multiple: int = 256) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+# --- cases ----------------------------------------------------------------------------------
+
+
+def paged_case(seed, batch, next_n, heads, head_dim, block_size, max_context_len, *,
+               width=None, broken_table=False):
+    """Random decode inputs quantised through dsa's own ops, with the unquantised and the
+    dequantised float64 views the reference needs."""
+    gen = torch.Generator().manual_seed(seed)
+    width = triton_cdiv(max_context_len, block_size) if width is None else width
+    num_blocks = batch * width + 2
+    cache = torch.randint(0, 256, (num_blocks, block_size, 1, head_dim + 4), dtype=torch.uint8,
+                          generator=gen)
+    k = torch.randn(num_blocks * block_size, head_dim, generator=gen)
+    k *= torch.rand(num_blocks * block_size, 1, generator=gen) * 4
+    torch.ops.dsa.quantize_and_cache_k(k, cache, torch.arange(num_blocks * block_size))
+    table = torch.randperm(num_blocks, generator=gen)[:batch * width].view(batch, width)
+    table = table.to(torch.int32)
+    if broken_table and table.numel():
+        table.view(-1)[torch.randint(0, table.numel(), (3,), generator=gen)] = -1
+        table.view(-1)[torch.randint(0, table.numel(), (1,), generator=gen)] = num_blocks + 5
+    choices = torch.tensor([0, 1, block_size - 1, block_size, block_size + 1, max_context_len])
+    choices = choices[choices <= max_context_len]
+    context_lens = choices[torch.randint(0, len(choices), (batch, next_n), generator=gen)]
+    context_lens = context_lens.to(torch.int32)
+    q = torch.randn(batch * next_n, heads, head_dim, generator=gen)
+    weights = torch.randn(batch * next_n, heads, generator=gen)
+    q_fp8, head_weights = torch.ops.dsa.quantize_q(q, weights)
+    inputs = (q_fp8.view(batch, next_n, heads, head_dim), cache, head_weights, context_lens, table)
+    codes, scales = ref.read_cache(cache.numpy(), block_size, head_dim)
+    dequantised = ref.paged_logits(
+        ref.fp8_decode(q_fp8.view(torch.uint8).numpy()).reshape(batch, next_n, heads, head_dim),
+        head_weights.double().numpy(), context_lens.numpy(), table.numpy(), max_context_len,
+        ref.fp8_decode(codes), scales)
+    exact = ref.paged_logits(
+        q.double().numpy().reshape(batch, next_n, heads, head_dim),
+        weights.double().numpy() * heads**-0.5 * head_dim**-0.5, context_lens.numpy(),
+        table.numpy(), max_context_len, k.double().numpy().reshape(num_blocks, block_size, -1),
+        np.ones((num_blocks, block_size)))
+    return inputs, max_context_len, dequantised, exact
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_logits(out: torch.Tensor, dequantised: np.ndarray, exact: np.ndarray,
+                 exact_pairs: list | None = None) -> None:
+    """Every element is -inf exactly where the reference is invalid and matches the
+    dequantised reference elsewhere. The fp8 noise against the unquantised reference
+    (about 7e-4 in this metric for random data) only settles over many elements: with
+    ``exact_pairs`` the valid entries are collected for :func:`check_fp8_noise`, else they
+    are checked here."""
+    assert out.dtype == torch.float32 and out.shape == dequantised.shape
+    if out.numel():
+        assert out.stride() == (_align(out.shape[1]), 1)
+    got = out.double().numpy()
+    valid = np.isfinite(dequantised)
+    np.testing.assert_array_equal(np.isneginf(got), ~valid)
+    assert np.isfinite(got[valid]).all()
+    assert ref.relative_error(got[valid], dequantised[valid]) < 1e-5
+    if exact_pairs is None:
+        check_fp8_noise([(got[valid], exact[valid])])
+    else:
+        exact_pairs.append((got[valid], exact[valid]))
+
+
+def check_fp8_noise(pairs: list) -> None:
+    got = np.concatenate([g for g, _ in pairs])
+    exact = np.concatenate([e for _, e in pairs])
+    assert ref.relative_error(got, exact) < 1e-3
+
+
+PAGED_SHAPES = [
+    # batch, next_n, heads, head_dim, block_size, max_context_len
+    (2, 1, 16, 32, 16, 100),
+    (2, 2, 16, 64, 64, 130),
+    (1, 1, 16, 32, 128, 200),
+    (2, 3, 8, 32, 16, 77),
+    (1, 1, 64, 64, 64, 65),
+    (2, 1, 4, 32, 16, 50),
+    (2, 2, 16, 32, 16, 0),
+    (0, 1, 16, 32, 16, 40),
+]
+
+
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("shape", PAGED_SHAPES)
+def test_paged_logits_match_reference(face, shape):
+    pairs = []
+    for seed in range(3):
+        inputs, max_len, dequantised, exact = paged_case(seed, *shape)
+        with ref.poisoned_empty():
+            out = run_op(face, "paged_mqa_logits", *inputs, max_len, BACKEND[face])
+        check_logits(out, dequantised, exact, pairs)
+    check_fp8_noise(pairs)
+
+
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("width", [2, 9])
+def test_paged_logits_invalid_blocks_are_masked(face, width):
+    # width 2 is narrower than the contexts; the table holds -1 and out-of-cache entries.
+    inputs, max_len, dequantised, exact = paged_case(3, 2, 2, 16, 32, 16, 120, width=width,
+                                                     broken_table=True)
+    with ref.poisoned_empty():
+        out = run_op(face, "paged_mqa_logits", *inputs, max_len, BACKEND[face])
+    check_logits(out, dequantised, exact)
+
+
+@KERNEL_MARK
+@pytest.mark.parametrize(
+    "config",
+    [PagedLogitsConfig(tile=16, tiles_per_program=3, num_warps=2, num_stages=1),
+     PagedLogitsConfig(tile=32, tiles_per_program=1),
+     PagedLogitsConfig(tile=128, tiles_per_program=2, num_warps=8, num_stages=4)],
+)
+def test_paged_logits_triton_configs(config):
+    inputs, max_len, dequantised, exact = paged_case(4, 2, 2, 16, 32, 64, 190)
+    with ref.poisoned_empty():
+        out = paged_logits_triton(*on_kernel_device(inputs), max_len, config=config)
+    check_logits(out.cpu(), dequantised, exact)
+
+
+def test_paged_logits_strided_inputs():
+    inputs, max_len, dequantised, exact = paged_case(5, 2, 1, 16, 32, 16, 70)
+    q, cache, weights, lens, table = inputs
+    wide_weights = torch.zeros(weights.shape[0], 24)
+    wide_weights[:, :16] = weights
+    wide_table = torch.full((table.shape[0], table.shape[1] + 3), -1, dtype=torch.int32)
+    wide_table[:, :table.shape[1]] = table
+    for face in ("cpu", "kernel"):
+        out = run_op(face, "paged_mqa_logits", q, cache, wide_weights[:, :16], lens,
+                     wide_table[:, :table.shape[1]], max_len, BACKEND[face])
+        check_logits(out, dequantised, exact)
+
+
+def test_paged_logits_output_layout():
+    inputs, _, _, _ = paged_case(6, 1, 2, 16, 32, 16, 40)
+    for max_len in (1, 255, 256, 257):
+        for face in ("cpu", "kernel"):
+            out = run_op(face, "paged_mqa_logits", *inputs, max_len, BACKEND[face])
+            assert out.shape == (2, max_len) and out.stride() == (_align(max_len), 1)
+        with FakeTensorMode() as mode:
+            fake = torch.ops.dsa.paged_mqa_logits(*map(mode.from_tensor, inputs), max_len)
+        assert fake.shape == (2, max_len) and fake.stride() == (_align(max_len), 1)
+
+
+def fp8_inputs_unchanged(op, args, kwargs) -> None:
+    before = [a.view(torch.uint8).clone() if a.dtype == torch.float8_e4m3fn else a.clone()
+              for a in args if isinstance(a, torch.Tensor)]
+    op(*args, **kwargs)
+    after = [a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a
+             for a in args if isinstance(a, torch.Tensor)]
+    assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
+
+
+def test_paged_logits_opcheck():
+    inputs, max_len, _, _ = paged_case(7, 2, 2, 16, 32, 16, 40)
+    op = torch.ops.dsa.paged_mqa_logits.default
+    schedule = torch.ops.dsa.paged_mqa_schedule(inputs[3], 16)
+    for args, kwargs in (((*inputs, max_len), {"backend": "torch"}),
+                         ((*inputs, max_len), {"schedule": schedule}),
+                         (on_kernel_device((*inputs, max_len)), {"backend": "triton"})):
+        torch.library.opcheck(op, args, kwargs, test_utils=OPCHECK_UTILS)
+        fp8_inputs_unchanged(op, args, kwargs)
+
+
+def test_paged_schedule_on_cpu_is_zeros():
+    lens = torch.tensor([[3, 4], [0, 1]], dtype=torch.int32)
+    schedule = torch.ops.dsa.paged_mqa_schedule(lens, 64)
+    assert torch.equal(schedule, torch.zeros(2, 2, dtype=torch.int32))
+    torch.library.opcheck(torch.ops.dsa.paged_mqa_schedule.default, (lens, 64))
+
+
+# --- validation -----------------------------------------------------------------------------
+
+
+def _paged_args(**changes):
+    q = torch.zeros(2, 1, 16, 32, dtype=torch.float8_e4m3fn)
+    args = {
+        "q_fp8": q,
+        "kv_cache": torch.zeros(4, 16, 1, 36, dtype=torch.uint8),
+        "weights": torch.zeros(2, 16),
+        "context_lens": torch.zeros(2, 1, dtype=torch.int32),
+        "block_table": torch.zeros(2, 3, dtype=torch.int32),
+        "max_context_len": 48,
+    }
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        ({"q_fp8": torch.zeros(2, 1, 16, 32, dtype=torch.bfloat16)}, TypeError, "`q_fp8` must be"),
+        ({"q_fp8": torch.zeros(2, 16, 32, dtype=torch.float8_e4m3fn)}, ValueError,
+         "`q_fp8` must have 4 dimension"),
+        ({"kv_cache": torch.zeros(4, 16, 1, 68, dtype=torch.uint8)}, ValueError,
+         r"`kv_cache` must have size 36"),
+        ({"kv_cache": torch.zeros(0, 16, 1, 36, dtype=torch.uint8)}, ValueError,
+         "at least one block"),
+        ({"kv_cache": torch.zeros(8, 16, 1, 36, dtype=torch.uint8)[::2]}, ValueError,
+         "`kv_cache` must be contiguous"),
+        ({"kv_cache": torch.zeros(4, 16, 1, 36)}, TypeError, "`kv_cache` must be torch.uint8"),
+        ({"weights": torch.zeros(2, 16, dtype=torch.bfloat16)}, TypeError, "`weights` must be"),
+        ({"weights": torch.zeros(1, 16)}, ValueError, r"`weights` must have size 2"),
+        ({"context_lens": torch.zeros(2, 1, dtype=torch.int64)}, TypeError, "`context_lens`"),
+        ({"context_lens": torch.zeros(2, 2, dtype=torch.int32)}, ValueError,
+         r"`context_lens` must have size 1"),
+        ({"context_lens": torch.full((2, 1), -1, dtype=torch.int32)}, ValueError, ">= 0"),
+        ({"block_table": torch.zeros(3, 3, dtype=torch.int32)}, ValueError,
+         r"`block_table` must have size 2"),
+        ({"block_table": torch.zeros(2, 6, dtype=torch.int32)[:, ::2]}, ValueError,
+         "stride 1 along its columns"),
+        ({"max_context_len": -1}, ValueError, "`max_context_len` must be >= 0"),
+        ({"schedule": torch.zeros(3, 2, dtype=torch.int32)}, ValueError,
+         r"`schedule` must have size 2"),
+        ({"backend": "cutlass"}, ValueError, "`backend` must be one of"),
+        ({"backend": "deepgemm"}, ValueError, "backend='deepgemm' cannot run this call: it needs "
+         "CUDA tensors"),
+    ],
+)
+def test_paged_logits_validation(changes, error, match):
+    with pytest.raises(error, match=match):
+        torch.ops.dsa.paged_mqa_logits(**_paged_args(**changes))
+    if match != ">= 0":  # value checks read host tensors; fake tensors have no values
+        with pytest.raises(error, match=match), FakeTensorMode(allow_non_fake_inputs=True):
+            torch.ops.dsa.paged_mqa_logits(**_paged_args(**changes))
+
+
+def test_triton_backend_needs_cuda_or_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        torch.ops.dsa.paged_mqa_logits(**_paged_args(backend="triton"))
+
+
+def test_deepgemm_shape_reasons():
+    cuda = torch.device("cuda")
+    cpu = torch.device("cpu")
+    assert "CUDA tensors" in _deepgemm.paged_unsupported_reason(cpu, 64, 128, 64, 1)
+    assert not _deepgemm.deepgemm_paged_supported(cpu, 64, 128, 64, 1)
+    assert not _deepgemm.deepgemm_mqa_supported(cpu, 64, 128)
+    assert _deepgemm.num_sms(cpu) == 1
+    if (torch.cuda.is_available() and _deepgemm.arch_major(cuda) == 9
+            and _deepgemm.deep_gemm() is not None):
+        assert _deepgemm.deepgemm_paged_supported(cuda, 64, 128, 64, 2)
+        assert "next_n" in _deepgemm.paged_unsupported_reason(cuda, 64, 128, 64, 3)
+        assert "num_heads" in _deepgemm.paged_unsupported_reason(cuda, 128, 128, 64, 1)
+        assert "head_dim" in _deepgemm.paged_unsupported_reason(cuda, 64, 256, 64, 1)
+        assert "block_size" in _deepgemm.paged_unsupported_reason(cuda, 64, 128, 32, 1)
+
+
+# --- mqa_logits (ragged prefill) --------------------------------------------------------------
+
+
+def mqa_case(seed, seq_lens, query_lens, heads, head_dim, *, extra_rows=()):
+    """A prefill chunk (SPEC §5 bounds with R = 1) plus optional odd (ks, ke) rows."""
+    gen = torch.Generator().manual_seed(seed)
+    cu = np.concatenate([[0], np.cumsum(seq_lens)])
+    ks, ke = [], []
+    for r, (seq, queries) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        for j in range(queries):
+            ks.append(cu[r])
+            ke.append(cu[r] + seq - queries + 1 + j)
+    for start, end in extra_rows:
+        ks.append(start)
+        ke.append(end)
+    ks, ke = torch.tensor(ks, dtype=torch.int32), torch.tensor(ke, dtype=torch.int32)
+    num_keys, num_q = int(cu[-1]), len(ks)
+    k = torch.randn(num_keys, head_dim, generator=gen) * 3
+    k_fp8, k_scale = quantize_rows(k, False)
+    q = torch.randn(num_q, heads, head_dim, generator=gen)
+    weights = torch.randn(num_q, heads, generator=gen)
+    q_fp8, head_weights = torch.ops.dsa.quantize_q(q, weights)
+    inputs = (q_fp8, k_fp8, k_scale, head_weights, ks, ke)
+    return inputs, k, q, weights
+
+
+def mqa_references(case, max_seqlen_k):
+    (q_fp8, k_fp8, k_scale, head_weights, ks, ke), k, q, weights = case
+    heads, head_dim = q.shape[1:]
+    dequantised = ref.mqa_logits(
+        ref.fp8_decode(q_fp8.view(torch.uint8).numpy()), ref.fp8_decode(
+            k_fp8.view(torch.uint8).numpy()), k_scale.double().numpy(),
+        head_weights.double().numpy(), ks.numpy(), ke.numpy(), max_seqlen_k)
+    exact = ref.mqa_logits(q.double().numpy(), k.double().numpy(), np.ones(k.shape[0]),
+                           weights.double().numpy() * heads**-0.5 * head_dim**-0.5, ks.numpy(),
+                           ke.numpy(), max_seqlen_k)
+    return dequantised, exact
+
+
+MQA_CASES = [
+    # seq_lens, query_lens, heads, head_dim, extra (ks, ke) rows
+    ([5, 9, 4], [2, 2, 3], 16, 32, ()),
+    ([40, 130, 1], [7, 5, 1], 16, 64, ((0, 0), (10, 5), (160, 200), (3, 171))),
+    ([33], [33], 8, 32, ()),
+    ([20, 20], [3, 4], 4, 32, ((0, 40),)),
+    ([], [], 16, 32, ((0, 3),)),
+]
+
+
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("case_args", MQA_CASES)
+@pytest.mark.parametrize("width", ["exact", "short", "long"])
+def test_mqa_logits_match_reference(face, case_args, width):
+    case = mqa_case(0, *case_args[:4], extra_rows=case_args[4])
+    ks, ke = case[0][4], case[0][5]
+    longest = int((ke - ks).max()) if len(ks) else 0
+    max_seqlen_k = {"exact": longest, "short": max(longest // 2, 1), "long": longest + 70}[width]
+    dequantised, exact = mqa_references(case, max_seqlen_k)
+    with ref.poisoned_empty():
+        out = run_op(face, "mqa_logits", *case[0], max_seqlen_k, BACKEND[face])
+    check_logits(out, dequantised, exact)
+
+
+@KERNEL_MARK
+@pytest.mark.parametrize(
+    "config",
+    [MqaLogitsConfig(block_q=1, tile=16, tiles_per_program=3, num_warps=2),
+     MqaLogitsConfig(block_q=4, tile=64, tiles_per_program=1)],
+)
+def test_mqa_logits_triton_configs(config):
+    case = mqa_case(1, [40, 60, 7], [9, 5, 3], 16, 32)
+    dequantised, exact = mqa_references(case, 70)
+    with ref.poisoned_empty():
+        out = mqa_logits_triton(*on_kernel_device(case[0]), 70, config=config)
+    check_logits(out.cpu(), dequantised, exact)
+
+
+def test_mqa_logits_opcheck():
+    case = mqa_case(2, [10, 7], [3, 2], 16, 32)
+    op = torch.ops.dsa.mqa_logits.default
+    for args, backend in (((*case[0], 11), "torch"),
+                          (on_kernel_device((*case[0], 11)), "triton")):
+        torch.library.opcheck(op, args, {"backend": backend}, test_utils=OPCHECK_UTILS)
+        fp8_inputs_unchanged(op, args, {"backend": backend})
+
+
+def _mqa_args(**changes):
+    args = {
+        "q_fp8": torch.zeros(3, 16, 32, dtype=torch.float8_e4m3fn),
+        "k_fp8": torch.zeros(5, 32, dtype=torch.float8_e4m3fn),
+        "k_scale": torch.zeros(5),
+        "weights": torch.zeros(3, 16),
+        "ks": torch.zeros(3, dtype=torch.int32),
+        "ke": torch.zeros(3, dtype=torch.int32),
+        "max_seqlen_k": 5,
+    }
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        ({"q_fp8": torch.zeros(3, 16, 32)}, TypeError, "`q_fp8` must be"),
+        ({"k_fp8": torch.zeros(5, 64, dtype=torch.float8_e4m3fn)}, ValueError,
+         r"`k_fp8` must have size 32"),
+        ({"k_scale": torch.zeros(4)}, ValueError, r"`k_scale` must have size 5"),
+        ({"weights": torch.zeros(3, 8)}, ValueError, r"`weights` must have size 16"),
+        ({"ks": torch.zeros(2, dtype=torch.int32)}, ValueError, r"`ks` must have size 3"),
+        ({"ke": torch.zeros(3, dtype=torch.int64)}, TypeError, "`ke` must be torch.int32"),
+        ({"max_seqlen_k": -2}, ValueError, "`max_seqlen_k` must be >= 0"),
+        ({"backend": "deepgemm"}, ValueError, "cannot run this call"),
+    ],
+)
+def test_mqa_logits_validation(changes, error, match):
+    with pytest.raises(error, match=match):
+        torch.ops.dsa.mqa_logits(**_mqa_args(**changes))

@@ -1,0 +1,141 @@
+"""dsa::quantize_q and the fp8 encoding shared by the quantising kernels, against the
+float64 reference (byte-exact codes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import reference_compute as ref
+import torch
+import triton
+import triton.language as tl
+from faces import HAS_CUDA, KERNEL_MARK, run_op
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsa.ops.quant import fp8_e4m3_bits, quantize_rows
+
+FACE_NAMES = ("cpu", pytest.param("kernel", marks=KERNEL_MARK))
+
+
+def encoding_probes() -> torch.Tensor:
+    """Every finite e4m3 value, every midpoint and its neighbours, random values across the
+    normal and subnormal ranges, signed zeros and out-of-range values."""
+    values = torch.from_numpy(ref.E4M3_VALUES[:0x7F]).float()
+    mids = (values[1:] + values[:-1]) / 2
+    gen = torch.Generator().manual_seed(0)
+    probes = [values, mids, mids.nextafter(torch.tensor(np.inf)),
+              mids.nextafter(torch.tensor(-np.inf)), torch.randn(4000, generator=gen) * 100,
+              torch.randn(1000, generator=gen) * 1e-3, torch.tensor([500.0, 1e30, 1e-45, 0.0])]
+    probes = torch.cat(probes)
+    return torch.cat([probes, -probes])
+
+
+@triton.jit
+def _encode_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, fp8_e4m3_bits(tl.load(x_ptr + i, mask=i < n)), mask=i < n)
+
+
+def test_triton_fp8_encoding_matches_reference():
+    x = encoding_probes()
+    device = "cuda" if HAS_CUDA else "cpu"
+    out = torch.empty(x.numel(), dtype=torch.uint8, device=device)
+    _encode_kernel[(triton.cdiv(x.numel(), 4096),)](x.to(device), out, x.numel(), BLOCK=4096)
+    np.testing.assert_array_equal(out.cpu().numpy(), ref.fp8_encode(x.numpy()))
+
+
+def test_torch_fp8_encoding_matches_reference():
+    x = encoding_probes()
+    scale = torch.ones(())
+    values = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    np.testing.assert_array_equal(values.view(torch.uint8).numpy(), ref.fp8_encode(x.numpy()))
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_quantize_rows_matches_reference(ue8m0):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(50, 64, generator=gen) * torch.logspace(-6, 3, 50)[:, None]
+    x[3] = 0.0
+    values, scale = quantize_rows(x.bfloat16(), ue8m0)
+    for row in range(x.shape[0]):
+        codes, want = ref.quantize_row(x[row].bfloat16().double().numpy(), ue8m0)
+        np.testing.assert_array_equal(values[row].view(torch.uint8).numpy(), codes)
+        assert scale[row].item() == want
+
+
+def _random_q(gen, num_tokens, num_heads, head_dim, dtype):
+    magnitude = torch.logspace(-5, 2, num_tokens * num_heads)[torch.randperm(
+        num_tokens * num_heads, generator=gen)].view(num_tokens, num_heads, 1)
+    q = (torch.randn(num_tokens, num_heads, head_dim, generator=gen) * magnitude).to(dtype)
+    weights = torch.randn(num_tokens, num_heads, generator=gen)
+    return q, weights
+
+
+@settings(max_examples=30)
+@given(
+    num_tokens=st.integers(0, 5),
+    num_heads=st.sampled_from([1, 3, 16]),
+    head_dim=st.sampled_from([4, 32, 48, 64]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    weights_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    ue8m0=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_quantize_q_matches_reference(face, num_tokens, num_heads, head_dim, dtype,
+                                      weights_dtype, ue8m0, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, weights = _random_q(gen, num_tokens, num_heads, head_dim, dtype)
+    weights = weights.to(weights_dtype)
+    with ref.poisoned_empty():
+        q_fp8, head_weights = run_op(face, "quantize_q", q, weights, ue8m0)
+    assert q_fp8.dtype == torch.float8_e4m3fn and q_fp8.shape == q.shape
+    assert head_weights.dtype == torch.float32 and head_weights.shape == weights.shape
+    codes, want = ref.quantize_q(q.double().numpy(), weights.double().numpy(), ue8m0)
+    np.testing.assert_array_equal(q_fp8.view(torch.uint8).numpy(), codes)
+    np.testing.assert_allclose(head_weights.numpy(), want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_quantize_q_ue8m0_scales_are_powers_of_two(face):
+    gen = torch.Generator().manual_seed(2)
+    q, _ = _random_q(gen, 4, 8, 32, torch.bfloat16)
+    weights = torch.full((4, 8), 8.0**0.5 * 32**0.5)  # head_weights == q scale
+    _, scales = run_op(face, "quantize_q", q, weights, True)
+    mantissa, _ = torch.frexp(scales)
+    assert (mantissa == 0.5).all()
+
+
+def test_quantize_q_faces_agree_on_ties():
+    # bf16 inputs over power-of-two scales land exactly on fp8 midpoints often.
+    gen = torch.Generator().manual_seed(3)
+    q, weights = _random_q(gen, 6, 16, 64, torch.bfloat16)
+    cpu = run_op("cpu", "quantize_q", q, weights, True)
+    kernel = run_op("kernel", "quantize_q", q, weights, True)
+    assert torch.equal(cpu[0].view(torch.uint8), kernel[0].view(torch.uint8))
+    assert torch.equal(cpu[1], kernel[1])
+
+
+def test_quantize_q_opcheck():
+    gen = torch.Generator().manual_seed(4)
+    q, weights = _random_q(gen, 3, 4, 32, torch.bfloat16)
+    torch.library.opcheck(torch.ops.dsa.quantize_q.default, (q, weights), {"ue8m0": True})
+    torch.library.opcheck(torch.ops.dsa.quantize_q.default, (q.float(), weights.bfloat16()))
+
+
+@pytest.mark.parametrize(
+    ("q", "weights", "error", "match"),
+    [
+        (torch.zeros(2, 4, 8, dtype=torch.int32), torch.zeros(2, 4), TypeError, "`q` must be"),
+        (torch.zeros(2, 32), torch.zeros(2, 4), ValueError, "`q` must have 3 dimension"),
+        (torch.zeros(2, 4, 8), torch.zeros(3, 4), ValueError, r"`weights` must have size 2"),
+        (torch.zeros(2, 4, 8), torch.zeros(2, 5), ValueError, r"`weights` must have size 4"),
+        (torch.zeros(2, 4, 8), torch.zeros(2, 4, dtype=torch.int64), TypeError, "`weights`"),
+        (torch.zeros(2, 8, 4).transpose(1, 2), torch.zeros(2, 4), ValueError, "contiguous"),
+        (torch.zeros(2, 4, 0), torch.zeros(2, 4), ValueError, "head_dim >= 1"),
+    ],
+)
+def test_quantize_q_validation(q, weights, error, match):
+    with pytest.raises(error, match=match):
+        torch.ops.dsa.quantize_q(q, weights)
