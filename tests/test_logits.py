@@ -252,7 +252,7 @@ def _paged_args(**changes):
         ({"block_table": torch.zeros(3, 3, dtype=torch.int32)}, ValueError,
          r"`block_table` must have size 2"),
         ({"block_table": torch.zeros(2, 6, dtype=torch.int32)[:, ::2]}, ValueError,
-         "stride 1 along its columns"),
+         r"rows must be contiguous \(stride\(1\) == 1\)"),
         ({"max_context_len": -1}, ValueError, "`max_context_len` must be >= 0"),
         ({"schedule": torch.zeros(3, 2, dtype=torch.int32)}, ValueError,
          r"`schedule` must have size 2"),

@@ -31,7 +31,8 @@ class DecodeMetadata:
         next_n: query tokens per request in the native layout (1 in the flat layout).
         query_start_loc: int32 ``[B + 1]`` of the batch (packs and unpacks native rows).
         context_lens: int32 ``[B, next_n]`` or ``[T, 1]``: keys each logits row may attend to
-            on this rank (compressed states when R > 1, DCP-local when sharded).
+            on this rank (compressed states when R > 1, DCP-local when sharded; at most
+            ``max_context_len``).
         global_context_lens: the same before DCP localisation (equal without DCP).
         block_table: int32 indexer block table per logits row (``[B, W']`` or ``[T, W']``).
         request_block_table: int32 ``[B, W']``, the indexer block table per request.
@@ -104,6 +105,10 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
     if cfg.dcp_world > 1:
         local_lens = ops.dcp_local_lens(global_lens, cfg.dcp_world, cfg.dcp_rank,
                                         cfg.dcp_interleave)
+    # A sequence past max_model_len must not make a kernel read past its block table or
+    # write past a logits row (DeepGEMM trusts its lengths).
+    width = max_context_len(cfg)
+    local_lens = local_lens.clamp(max=width)
 
     schedule = None
     if cfg.logits_backend != "triton" and deepgemm_paged_supported(
@@ -123,7 +128,7 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
         slot_mapping=slot_mapping,
         kpool_slot_mapping=kpool_slots,
         schedule=schedule,
-        max_context_len=max_context_len(cfg),
+        max_context_len=width,
     )
 
 

@@ -82,6 +82,36 @@ def check_dcp(op: str, world: int, rank: int, interleave: int) -> None:
         )
 
 
+def check_query_start_loc(op: str, query_start_loc: object) -> int:
+    """int32 ``[num_reqs + 1]`` contiguous; returns ``num_reqs``."""
+    check_tensor(op, "query_start_loc", query_start_loc, dtype=INDEX_DTYPES, ndim=1,
+                 contiguous=True)
+    if query_start_loc.numel() < 1:
+        raise ValueError(f"dsa.{op}: `query_start_loc` must have num_reqs + 1 >= 1 entries, "
+                         "got 0")
+    return query_start_loc.numel() - 1
+
+
+def check_seq_lens(op: str, seq_lens: object, query_start_loc: Tensor, num_reqs: int) -> None:
+    """int32 ``[num_reqs]`` contiguous, on ``query_start_loc``'s device."""
+    check_tensor(op, "seq_lens", seq_lens, dtype=INDEX_DTYPES, ndim=1, contiguous=True,
+                 like=query_start_loc)
+    check_size(op, "seq_lens", seq_lens, 0, num_reqs, "num_reqs = len(query_start_loc) - 1")
+
+
+def check_block_table(op: str, block_table: object, like: Tensor | None = None,
+                      num_reqs: int | None = None) -> tuple[int, int]:
+    """int32 ``[num_reqs, W]`` whose rows are contiguous (row stride free); returns its shape."""
+    check_tensor(op, "block_table", block_table, dtype=INDEX_DTYPES, ndim=2, like=like)
+    if num_reqs is not None:
+        check_size(op, "block_table", block_table, 0, num_reqs,
+                   "num_reqs = len(query_start_loc) - 1")
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise ValueError(f"dsa.{op}: `block_table` rows must be contiguous (stride(1) == 1), "
+                         f"got strides {block_table.stride()}")
+    return block_table.shape[0], block_table.shape[1]
+
+
 def check_nonnegative(op: str, name: str, t: Tensor) -> None:
     """Value check for host tensors: every entry >= 0. Device tensors are not read (no sync)."""
     if t.device.type == "cpu" and t.numel() and not _is_fake(t) and bool((t < 0).any()):

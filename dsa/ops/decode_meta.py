@@ -18,33 +18,24 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsa.ops._checks import INDEX_DTYPES, check_int, check_size, check_tensor
+from dsa.ops._checks import (
+    INDEX_DTYPES,
+    check_block_table,
+    check_int,
+    check_query_start_loc,
+    check_seq_lens,
+    check_tensor,
+)
 from dsa.ops._registry import register
 from dsa.ops._tokens import block_for, request_of, search_steps, token_requests
-
-
-def _check_qsl(op: str, query_start_loc: Tensor) -> int:
-    check_tensor(op, "query_start_loc", query_start_loc, dtype=INDEX_DTYPES, ndim=1,
-                 contiguous=True)
-    if query_start_loc.numel() < 1:
-        raise ValueError(f"dsa.{op}: `query_start_loc` must have num_reqs + 1 >= 1 entries, "
-                         "got 0")
-    return query_start_loc.numel() - 1
-
-
-def _check_seq_lens(op: str, seq_lens: Tensor, query_start_loc: Tensor, num_reqs: int) -> None:
-    check_tensor(op, "seq_lens", seq_lens, dtype=INDEX_DTYPES, ndim=1, contiguous=True,
-                 like=query_start_loc)
-    check_size(op, "seq_lens", seq_lens, 0, num_reqs, "num_reqs = len(query_start_loc) - 1")
-
 
 # --- decode_token_lens -------------------------------------------------------------------
 
 
 def _decode_token_lens_out(query_start_loc: Tensor, seq_lens: Tensor, num_tokens: int) -> Tensor:
     op = "decode_token_lens"
-    num_reqs = _check_qsl(op, query_start_loc)
-    _check_seq_lens(op, seq_lens, query_start_loc, num_reqs)
+    num_reqs = check_query_start_loc(op, query_start_loc)
+    check_seq_lens(op, seq_lens, query_start_loc, num_reqs)
     check_int(op, "num_tokens", num_tokens, low=0)
     return query_start_loc.new_empty(num_tokens, dtype=torch.int32)
 
@@ -144,24 +135,11 @@ native_decode_lens = register(
 # --- expand_block_table ------------------------------------------------------------------
 
 
-def _check_block_table(op: str, block_table: Tensor, query_start_loc: Tensor | None = None,
-                       num_reqs: int | None = None) -> None:
-    """int32 ``[num_reqs, W]`` on query_start_loc's device; rows may be strided views."""
-    check_tensor(op, "block_table", block_table, dtype=INDEX_DTYPES, ndim=2,
-                 like=query_start_loc)
-    if num_reqs is not None:
-        check_size(op, "block_table", block_table, 0, num_reqs,
-                   "num_reqs = len(query_start_loc) - 1")
-    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
-        raise ValueError(f"dsa.{op}: `block_table` rows must be contiguous (stride(1) == 1), "
-                         f"got strides {block_table.stride()}")
-
-
 def _expand_block_table_out(query_start_loc: Tensor, block_table: Tensor,
                             num_tokens: int) -> Tensor:
     op = "expand_block_table"
-    num_reqs = _check_qsl(op, query_start_loc)
-    _check_block_table(op, block_table, query_start_loc, num_reqs)
+    num_reqs = check_query_start_loc(op, query_start_loc)
+    check_block_table(op, block_table, query_start_loc, num_reqs)
     check_int(op, "num_tokens", num_tokens, low=0)
     return block_table.new_empty((num_tokens, block_table.shape[1]), dtype=torch.int32)
 
@@ -218,7 +196,7 @@ expand_block_table = register(
 
 def _decode_row_requests_out(query_start_loc: Tensor, num_tokens: int) -> Tensor:
     op = "decode_row_requests"
-    _check_qsl(op, query_start_loc)
+    check_query_start_loc(op, query_start_loc)
     check_int(op, "num_tokens", num_tokens, low=0)
     return query_start_loc.new_empty(num_tokens, dtype=torch.int32)
 

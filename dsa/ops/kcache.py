@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsa.ops._checks import INDEX_DTYPES, check_int, check_size, check_tensor
+from dsa.ops._checks import INDEX_DTYPES, check_block_table, check_int, check_size, check_tensor
 from dsa.ops._registry import register
 from dsa.ops._tokens import request_of, search_steps, token_requests
 from dsa.ops.quant import FLOAT_DTYPES, fp8_e4m3_bits, fp8_scale_of, quantize_rows
@@ -40,15 +40,6 @@ def check_kv_cache(op: str, kv_cache: object, *,
             f"with head_dim a positive multiple of 4, got shape {tuple(kv_cache.shape)}"
         )
     return num_blocks, block_size, head_dim
-
-
-def check_block_table(op: str, block_table: object, like: Tensor) -> tuple[int, int]:
-    """Validates an int32 ``[rows, width]`` block table with unit column stride."""
-    check_tensor(op, "block_table", block_table, dtype=INDEX_DTYPES, ndim=2, like=like)
-    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
-        raise ValueError(f"dsa.{op}: `block_table` must have stride 1 along its columns, got "
-                         f"strides {block_table.stride()}")
-    return block_table.shape[0], block_table.shape[1]
 
 
 def kcache_views(kv_cache: Tensor) -> tuple[Tensor, Tensor]:

@@ -22,10 +22,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsa.ops._checks import check_int, check_size, check_tensor
+from dsa.ops._checks import (
+    check_block_table,
+    check_int,
+    check_query_start_loc,
+    check_size,
+    check_tensor,
+)
 from dsa.ops._registry import register
 from dsa.ops._tokens import block_for, request_of, search_steps, token_requests
-from dsa.ops.decode_meta import _check_block_table, _check_qsl
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -52,7 +57,7 @@ def _tile(rows: int, width: int) -> tuple[int, int]:
 
 def _compress_block_table_out(block_table: Tensor, factor: int) -> Tensor:
     op = "compress_block_table"
-    _check_block_table(op, block_table)
+    check_block_table(op, block_table)
     check_int(op, "factor", factor, low=1)
     width = -(-block_table.shape[1] // factor)
     return block_table.new_empty((block_table.shape[0], width), dtype=torch.int32)
@@ -106,7 +111,7 @@ def _pack_decode_rows_out(x: Tensor, query_start_loc: Tensor, next_n: int) -> Te
     if x.dim() < 1:
         raise ValueError(f"dsa.{op}: `x` must have a token dimension, got a 0-d tensor")
     _check_element_size(op, "x", x)
-    num_reqs = _check_qsl(op, query_start_loc)
+    num_reqs = check_query_start_loc(op, query_start_loc)
     check_tensor(op, "query_start_loc", query_start_loc, like=x)
     check_int(op, "next_n", next_n, low=1)
     return x.new_empty((num_reqs, next_n, *x.shape[1:]))
@@ -178,7 +183,7 @@ def _unpack_decode_rows_out(y: Tensor, query_start_loc: Tensor, num_tokens: int,
         raise ValueError(f"dsa.{op}: `y` must be [num_reqs, next_n, ...], "
                          f"got shape {tuple(y.shape)}")
     _check_element_size(op, "y", y)
-    num_reqs = _check_qsl(op, query_start_loc)
+    num_reqs = check_query_start_loc(op, query_start_loc)
     check_tensor(op, "query_start_loc", query_start_loc, like=y)
     check_size(op, "y", y, 0, num_reqs, "num_reqs = len(query_start_loc) - 1")
     check_int(op, "num_tokens", num_tokens, low=0)

@@ -33,6 +33,7 @@ from torch import Tensor
 from dsa.ops import _deepgemm
 from dsa.ops._checks import (
     INDEX_DTYPES,
+    check_block_table,
     check_choice,
     check_int,
     check_nonnegative,
@@ -40,7 +41,7 @@ from dsa.ops._checks import (
     check_tensor,
 )
 from dsa.ops._registry import register
-from dsa.ops.kcache import check_block_table, check_kv_cache, kcache_views, padded_block_table
+from dsa.ops.kcache import check_kv_cache, kcache_views, padded_block_table
 
 BACKENDS = ("auto", "torch", "triton", "deepgemm")
 LOGITS_ALIGN = 256

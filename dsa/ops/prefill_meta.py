@@ -21,11 +21,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsa.ops._checks import check_dcp, check_int
+from dsa.ops._checks import check_dcp, check_int, check_query_start_loc, check_seq_lens
 from dsa.ops._registry import register
 from dsa.ops._tokens import block_for, request_of, search_steps
 from dsa.ops.dcp import local_share, local_share_tl
-from dsa.ops.decode_meta import _check_qsl, _check_seq_lens
 
 _OP = "prefill_chunk_bounds"
 
@@ -37,8 +36,8 @@ def _prefill_chunk_bounds_out(
     query_begin: int, query_end: int, num_rows: int, compress_ratio: int = 1,
     dcp_world: int = 1, dcp_rank: int = 0, dcp_interleave: int = 1,
 ) -> ChunkBounds:
-    num_reqs = _check_qsl(_OP, query_start_loc)
-    _check_seq_lens(_OP, seq_lens, query_start_loc, num_reqs)
+    num_reqs = check_query_start_loc(_OP, query_start_loc)
+    check_seq_lens(_OP, seq_lens, query_start_loc, num_reqs)
     check_int(_OP, "req_start", req_start, low=0)
     check_int(_OP, "req_end", req_end, low=req_start)
     if req_end > num_reqs:

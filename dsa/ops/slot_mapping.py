@@ -21,10 +21,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsa.ops._checks import POSITION_DTYPES, check_dcp, check_int, check_tensor
+from dsa.ops._checks import (
+    POSITION_DTYPES,
+    check_block_table,
+    check_dcp,
+    check_int,
+    check_query_start_loc,
+    check_seq_lens,
+    check_tensor,
+)
 from dsa.ops._registry import register
 from dsa.ops._tokens import block_for, request_of, search_steps, token_requests
-from dsa.ops.decode_meta import _check_block_table, _check_qsl, _check_seq_lens
 
 # --- compressed_slot_mapping -------------------------------------------------------------
 
@@ -35,9 +42,9 @@ def _compressed_slot_mapping_out(
     dcp_interleave: int = 1,
 ) -> Tensor:
     op = "compressed_slot_mapping"
-    num_reqs = _check_qsl(op, query_start_loc)
-    _check_seq_lens(op, seq_lens, query_start_loc, num_reqs)
-    _check_block_table(op, block_table, query_start_loc, num_reqs)
+    num_reqs = check_query_start_loc(op, query_start_loc)
+    check_seq_lens(op, seq_lens, query_start_loc, num_reqs)
+    check_block_table(op, block_table, query_start_loc, num_reqs)
     check_int(op, "num_tokens", num_tokens, low=0)
     check_int(op, "block_size", block_size, low=1)
     check_int(op, "compress_ratio", compress_ratio, low=1)
@@ -135,8 +142,8 @@ compressed_slot_mapping = register(
 def _kpool_tail_slot_mapping_out(query_start_loc: Tensor, block_table: Tensor,
                                  positions: Tensor, kpool: int) -> Tensor:
     op = "kpool_tail_slot_mapping"
-    num_reqs = _check_qsl(op, query_start_loc)
-    _check_block_table(op, block_table, query_start_loc, num_reqs)
+    num_reqs = check_query_start_loc(op, query_start_loc)
+    check_block_table(op, block_table, query_start_loc, num_reqs)
     if block_table.shape[1] < 1:
         raise ValueError(f"dsa.{op}: `block_table` needs at least 1 column (the tail block), "
                          f"got shape {tuple(block_table.shape)}")

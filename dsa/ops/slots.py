@@ -16,10 +16,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsa.ops._checks import INDEX_DTYPES, check_int, check_size, check_tensor
+from dsa.ops._checks import INDEX_DTYPES, check_block_table, check_int, check_size, check_tensor
 from dsa.ops._registry import register
 from dsa.ops._tokens import block_for
-from dsa.ops.kcache import check_block_table, padded_block_table
+from dsa.ops.kcache import padded_block_table
 
 
 def _indices_to_slots_out(indices: Tensor, block_table: Tensor, row_requests: Tensor,
