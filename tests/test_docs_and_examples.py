@@ -1,0 +1,24 @@
+"""README's snippet and the examples run as written (on the CPU in CI)."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_readme_snippet_runs():
+    readme = (ROOT / "README.md").read_text()
+    (snippet,) = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    exec(compile(snippet, "README.md", "exec"), {})
+
+
+@pytest.mark.parametrize("args", [["examples/decode.py", "--steps", "3", "--device", "cpu"],
+                                  ["examples/prefill.py", "--device", "cpu"]])
+def test_example_runs_on_cpu(args):
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
