@@ -34,6 +34,11 @@ def _to(x: Any, device: str) -> Any:
     return x
 
 
+def to_cpu(x: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``x`` with the same strides (``.cpu()`` would make it contiguous)."""
+    return _to(x, "cpu")
+
+
 def run_op(face: str, name: str, *args: Any) -> Any:
     """Runs op ``name`` on ``face`` ("cpu", "kernel" or "fake"); returns CPU tensor(s)
     (fake tensors for "fake")."""

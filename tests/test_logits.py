@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import reference_compute as ref
 import torch
-from faces import HAS_CUDA, KERNEL_MARK, run_op
+from faces import HAS_CUDA, KERNEL_MARK, run_op, to_cpu
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dsa.ops import _deepgemm
@@ -159,7 +159,7 @@ def test_paged_logits_triton_configs(config):
     inputs, max_len, dequantised, exact = paged_case(4, 2, 2, 16, 32, 64, 190)
     with ref.poisoned_empty():
         out = paged_logits_triton(*on_kernel_device(inputs), max_len, config=config)
-    check_logits(out.cpu(), dequantised, exact)
+    check_logits(to_cpu(out), dequantised, exact)
 
 
 def test_paged_logits_strided_inputs():
@@ -365,7 +365,7 @@ def test_mqa_logits_triton_configs(config):
     dequantised, exact = mqa_references(case, 70)
     with ref.poisoned_empty():
         out = mqa_logits_triton(*on_kernel_device(case[0]), 70, config=config)
-    check_logits(out.cpu(), dequantised, exact)
+    check_logits(to_cpu(out), dequantised, exact)
 
 
 def test_mqa_logits_opcheck():

@@ -90,8 +90,13 @@ class Decode:
 
 
 def check_sampled_rows(case: Decode, out: torch.Tensor, masked: bool) -> None:
-    """Sampled requests against the reference; ``masked``: -inf exactly past the context."""
+    """Sampled requests against the reference; ``masked``: -inf exactly past the context.
+
+    The fp8 noise against the unquantised reference is checked over the sampled rows
+    pooled, once there are several: one row's q is quantised once, so its error is one
+    draw (about 7e-4 on average in this metric), not an average."""
     batch, next_n = case.q_fp8.shape[:2]
+    pairs = []
     for b in sorted({0, 1 % batch, batch - 1, batch // 2}):
         dequantised, exact = case.references(b)
         got = out[b * next_n:(b + 1) * next_n].double().cpu().numpy()
@@ -101,8 +106,10 @@ def check_sampled_rows(case: Decode, out: torch.Tensor, masked: bool) -> None:
         assert np.isfinite(got[valid]).all()
         if valid.any():
             assert ref.relative_error(got[valid], dequantised[valid]) < 1e-5
-        if valid.sum() > 1000:
-            assert ref.relative_error(got[valid], exact[valid]) < 1e-3
+            pairs.append((got[valid], exact[valid]))
+    if len(pairs) * next_n >= 4:
+        got, exact = (np.concatenate(x) for x in zip(*pairs))
+        assert ref.relative_error(got, exact) < 1e-3
 
 
 def gpu_relative_error(x: torch.Tensor, y: torch.Tensor) -> float:

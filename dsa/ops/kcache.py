@@ -204,7 +204,7 @@ def _gather_k_kernel(value_ptr, scale_ptr, bt_ptr, bt_stride, cu_ptr, out_ptr, o
     ok = in_range & (req < num_reqs) & (i >= 0) & (col < width)
     blk = tl.load(bt_ptr + req.to(tl.int64) * bt_stride + col, mask=ok, other=-1)
     ok = ok & (blk >= 0) & (blk < num_blocks)
-    blk = tl.where(ok, blk, 0).to(tl.int64)
+    blk = blk.to(tl.int64)  # masked loads below never touch a row that is not ok
     off = i % BS
     d_ok = (d < D)[None, :]
     src = blk * VALUE_STRIDE + off * D
