@@ -108,17 +108,17 @@ class PagedLogitsConfig:
 
 def paged_logits_config(batch: int, next_n: int, num_heads: int, max_context_len: int,
                         device: torch.device) -> PagedLogitsConfig:
-    """Default launch parameters for a shape: about 8 programs per SM, the context split
-    evenly among a request's programs, at most 64 tiles each."""
+    """Default launch parameters for a shape, from the H200 sweep
+    (``benchmarks/bench_logits_sweep.py``): 64-token tiles, two pipeline stages, and about
+    512 programs or more, each taking at most 16 tiles of its request's context."""
     tile = 64
-    tiles = max(1, triton.cdiv(max_context_len, tile))
-    splits = max(1, min(tiles, triton.cdiv(8 * _deepgemm.num_sms(device), max(batch, 1))))
+    tiles = batch * max(1, triton.cdiv(max_context_len, tile))
     rows = triton.next_power_of_2(next_n) * triton.next_power_of_2(num_heads)
     return PagedLogitsConfig(
         tile=tile,
-        tiles_per_program=min(64, triton.cdiv(tiles, splits)),
+        tiles_per_program=max(1, min(16, tiles // 512)),
         num_warps=8 if rows >= 256 else 4,
-        num_stages=3,
+        num_stages=2,
     )
 
 
