@@ -1,0 +1,358 @@
+"""dsa::topk_indices (SPEC §3): both faces against a loop checker of the top-k contract.
+
+Order inside a row and the choice among equal values are free, so outputs are checked by
+properties, not compared: every selected index is a valid column (relative to the row's
+start) and unique, exactly ``min(k, valid)`` are selected (-1 elsewhere), and the smallest
+selected logit is >= the largest unselected valid one. Columns outside the valid range
+hold junk (NaN, +inf, huge values) that must never be selected.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from faces import CPU_EXAMPLES, KERNEL_MARK, run_op
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsa.ops import FACES
+from dsa.ops.topk import choose_parts, launch_topk
+
+# the interpreter runs fp32 math in numpy, which warns where the GPU silently saturates
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                                        "ignore:invalid value encountered:RuntimeWarning")
+HAS_CUDA = torch.cuda.is_available()
+FACE_NAMES = ["cpu", pytest.param("kernel", marks=KERNEL_MARK)]
+i32 = lambda x: torch.tensor(x, dtype=torch.int32)
+JUNK = (float("nan"), float("inf"), -float("inf"), 3.0e38, -3.0e38, 1.0e30)
+
+
+# --- checkers ------------------------------------------------------------------------------
+
+
+def check_topk_loop(logits, lengths, k, starts, out) -> None:
+    """The contract, one row at a time in plain Python (the slow reference)."""
+    rows, n = logits.shape
+    assert out.dtype == torch.int32 and tuple(out.shape) == (rows, k)
+    values = logits.tolist()
+    lens = lengths.reshape(-1).tolist()
+    begins = [0] * rows if starts is None else starts.reshape(-1).tolist()
+    for r, (got, s) in enumerate(zip(out.tolist(), begins)):
+        valid = range(max(s, 0), min(s + max(lens[r], 0), n))
+        picked = [v for v in got if v != -1]
+        assert len(picked) == min(k, len(valid)), f"row {r}: {len(picked)} selected"
+        cols = [v + s for v in picked]
+        assert len(set(cols)) == len(cols), f"row {r}: repeated index"
+        assert all(c in valid for c in cols), f"row {r}: index outside the valid range"
+        if picked:
+            ranked = sorted((values[r][c] for c in valid), reverse=True)
+            kth = ranked[len(picked) - 1]
+            assert all(values[r][c] >= kth for c in cols), f"row {r}: not the top-k"
+
+
+def check_topk(logits, lengths, k, starts, out) -> None:
+    """The same contract, vectorised (any device; for the GPU shapes and the benchmark)."""
+    rows, n = logits.shape
+    dev = logits.device
+    assert out.dtype == torch.int32 and tuple(out.shape) == (rows, k)
+    start = torch.zeros(rows, dtype=torch.long, device=dev) if starts is None \
+        else starts.reshape(rows).long()
+    end = start + lengths.reshape(rows).long().clamp(min=0)
+    lo = start.clamp(0, n)
+    hi = torch.maximum(end.clamp(0, n), lo)
+    got = out.long()
+    picked = got != -1
+    assert torch.equal(picked.sum(1), (hi - lo).clamp(max=k)), "wrong number selected"
+    if n == 0:
+        return
+    col = got + start[:, None]
+    inside = (col >= lo[:, None]) & (col < hi[:, None])
+    assert bool((inside | ~picked).all()), "index outside the valid range"
+    marks = torch.zeros(rows, n + 1, dtype=torch.int32, device=dev)
+    marks.scatter_add_(1, torch.where(picked, col, n), picked.int())
+    assert int(marks[:, :n].max()) <= 1, "repeated index"
+    smallest = torch.where(picked, logits.gather(1, torch.where(picked, col, 0)),
+                           float("inf")).amin(1)
+    cols = torch.arange(n, device=dev)
+    rest = (cols >= lo[:, None]) & (cols < hi[:, None]) & (marks[:, :n] == 0)
+    largest_rest = torch.where(rest, logits, -float("inf")).amax(1)
+    assert bool((smallest >= largest_rest).all()), "a larger valid logit was left out"
+
+
+def check_both(logits, lengths, k, starts, out) -> None:
+    check_topk_loop(logits, lengths, k, starts, out)
+    check_topk(logits, lengths, k, starts, out)
+
+
+# --- inputs --------------------------------------------------------------------------------
+
+KINDS = ("normal", "ties", "equal", "positive", "neg_inf", "outliers", "negative")
+
+
+def make_values(gen: torch.Generator, rows: int, n: int, kind: str) -> torch.Tensor:
+    x = torch.randn(rows, n, generator=gen)
+    if kind == "ties":  # few distinct values
+        x = torch.randint(-3, 4, (rows, n), generator=gen).float()
+    elif kind == "equal":
+        x = torch.full((rows, n), 0.5)
+    elif kind == "positive":  # one sign: binned on the key bits
+        x = torch.exp(2 * x)
+    elif kind == "neg_inf":
+        x = torch.where(torch.rand(rows, n, generator=gen) < 0.5, -float("inf"), x)
+    elif kind == "outliers":
+        x = torch.where(torch.rand(rows, n, generator=gen) < 0.02, x * 1e6, x)
+    elif kind == "negative":
+        x = -torch.exp(x)
+    return x
+
+
+def make_logits(gen, values, lo, hi, *, pad: int = 256, offset: int = 0):
+    """``values`` in a row-strided view of a junk-filled buffer; junk outside [lo, hi)."""
+    rows, n = values.shape
+    width = -(-(n + offset) // pad) * pad
+    junk = torch.tensor(JUNK)[torch.randint(len(JUNK), (rows, width), generator=gen)]
+    buffer = torch.where(torch.rand(rows, width, generator=gen) < 0.5, junk,
+                         torch.randn(rows, width, generator=gen) * 1e3)
+    logits = buffer.narrow(1, offset, n)
+    cols = torch.arange(n)
+    valid = (cols >= lo[:, None]) & (cols < hi[:, None])
+    logits.copy_(torch.where(valid, values, logits))
+    return logits
+
+
+@st.composite
+def topk_cases(draw, max_rows=4, max_cols=600, ks=(1, 8, 64, 100)):
+    """(logits, lengths, k, starts): lengths around 0, k and N; optional starts."""
+    rows = draw(st.integers(1, max_rows))
+    n = draw(st.integers(0, max_cols))
+    k = draw(st.sampled_from(ks))
+    lens = draw(st.lists(st.sampled_from([0, 1, k - 1, k, k + 1, n, n + 7, -3, None]),
+                         min_size=rows, max_size=rows))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([torch.randint(0, n + 1, (1,), generator=gen).item() if v is None
+                            else v for v in lens], dtype=torch.int32)
+    starts = None
+    if draw(st.booleans()):
+        starts = torch.randint(-2, max(n // 3, 1), (rows,), generator=gen).to(torch.int32)
+    begin = torch.zeros(rows, dtype=torch.long) if starts is None else starts.long()
+    lo = begin.clamp(0, n)
+    hi = torch.maximum((begin + lengths.long().clamp(min=0)).clamp(0, n), lo)
+    values = make_values(gen, rows, n, draw(st.sampled_from(KINDS)))
+    logits = make_logits(gen, values, lo, hi, offset=draw(st.sampled_from([0, 3])))
+    if draw(st.booleans()) and rows % 2 == 0:  # lengths shaped [B, next_n]
+        lengths = lengths.view(rows // 2, 2)
+    return logits, lengths, k, starts
+
+
+# --- both faces ----------------------------------------------------------------------------
+
+
+@CPU_EXAMPLES
+@given(case=topk_cases())
+def test_cpu_face(case):
+    logits, lengths, k, starts = case
+    check_both(logits, lengths, k, starts, run_op("cpu", "topk_indices", *case))
+
+
+@KERNEL_MARK
+@settings(max_examples=25)
+@given(case=topk_cases())
+def test_kernel_face(case):
+    """The CUDA face with its default launch (one fused program per row on these sizes)."""
+    logits, lengths, k, starts = case
+    check_both(logits, lengths, k, starts, run_op("kernel", "topk_indices", *case))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
+@pytest.mark.interpret
+@settings(max_examples=25)
+@given(case=topk_cases(max_rows=3, max_cols=400),
+       parts=st.sampled_from([1, 2, 4]), block=st.sampled_from([32, 128]),
+       bits=st.sampled_from([(5, 5), (6, 8), (8, 6)]), cap=st.sampled_from([4, 64]))
+def test_launch_variants_interpreted(case, parts, block, bits, cap):
+    """Split passes, tiny blocks, narrow histograms and a candidate buffer small enough to
+    spill, on the Triton interpreter."""
+    logits, lengths, k, starts = case
+    out = launch_topk(logits, lengths, k, starts, parts=parts, block=block, hist_bits=bits[0],
+                      refine_bits=bits[1], cap=cap, window_block=64, finish_block=32)
+    check_both(logits, lengths, k, starts, out)
+
+
+EDGE_CASES = {
+    "all equal": (torch.full((2, 300), 1.5), [300, 200], 64),
+    "ties at the threshold": (torch.tensor([[3.0] * 10 + [2.0] * 200 + [1.0] * 90] * 2),
+                              [300, 150], 100),
+    "fill with -inf": (torch.tensor([[-float("inf")] * 250 + [1.0] * 5]), [255], 100),
+    "zeros of both signs": (torch.tensor([[0.0, -0.0] * 100]), [200], 8),
+    "k above N": (torch.randn(2, 50), [50, 20], 100),
+    # the window samples 4 columns every 37: the outliers at offset 5 lie above its maximum
+    "outliers outside the sample": (torch.arange(600.0).remainder(37).eq(5).float() * 1e3
+                                    + torch.rand(1, 600), [600], 8),
+    "one column": (torch.randn(3, 1), [1, 0, -1], 1),
+}
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+@pytest.mark.parametrize("name", list(EDGE_CASES))
+def test_edge_cases(face, name):
+    values, lens, k = EDGE_CASES[name]
+    lengths = i32(lens)
+    gen = torch.Generator().manual_seed(1)
+    hi = lengths.long().clamp(0, values.shape[1])
+    logits = make_logits(gen, values, torch.zeros_like(hi), hi)
+    check_both(logits, lengths, k, None, run_op(face, "topk_indices", logits, lengths, k))
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_starts_shift_the_window(face):
+    """Indices are relative to the row's start; junk before it is never selected."""
+    gen = torch.Generator().manual_seed(2)
+    values = torch.randn(3, 400, generator=gen)
+    starts, lengths = i32([0, 100, 390]), i32([150, 250, 50])
+    lo = starts.long()
+    hi = (lo + lengths.long()).clamp(max=400)
+    logits = make_logits(gen, values, lo, hi)
+    out = run_op(face, "topk_indices", logits, lengths, 64, starts)
+    check_both(logits, lengths, 64, starts, out)
+    assert sorted(out[2].tolist()[:10]) == list(range(10))  # 10 valid columns: all of them
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_empty(face):
+    assert run_op(face, "topk_indices", torch.zeros(0, 5), i32([]), 4).shape == (0, 4)
+    out = run_op(face, "topk_indices", torch.zeros(2, 0), i32([3, 0]), 4)
+    assert out.tolist() == [[-1] * 4] * 2
+
+
+def test_choose_parts():
+    assert choose_parts(1, 4096) == 1
+    assert choose_parts(1, 65536) == 16
+    assert choose_parts(64, 65536) == 4
+    assert choose_parts(256, 8192) == 1
+    assert choose_parts(0, 0) == 1
+
+
+# --- opcheck and validation ----------------------------------------------------------------
+
+
+def _opcheck_args():
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(4, 300, generator=gen)
+    lengths = i32([300, 10, 0, 200])
+    logits = make_logits(gen, values, torch.zeros(4, dtype=torch.long), lengths.long())
+    return [(logits, lengths, 64), (logits, lengths.view(2, 2), 64, i32([0, 5, 7, 50]))]
+
+
+@pytest.mark.parametrize("args", _opcheck_args())
+def test_opcheck(args):
+    torch.library.opcheck(torch.ops.dsa.topk_indices, args)
+
+
+X, LENS = torch.zeros(2, 8), i32([8, 8])
+ERROR_CASES = [
+    ((X.half(), LENS, 4), TypeError, "`logits` must be torch.float32"),
+    ((X[0], LENS, 4), ValueError, "`logits` must have 2 dimension"),
+    ((torch.zeros(8, 2).t(), LENS, 4), ValueError, "`logits` must have unit column stride"),
+    ((X, LENS.long(), 4), TypeError, "`lengths` must be torch.int32"),
+    ((X, i32([8, 8, 8]), 4), ValueError, "`lengths` must have one entry per logits row"),
+    ((X, LENS, 0), ValueError, "`k` must be >= 1"),
+    ((X, LENS, 4, i32([0])), ValueError, "`starts` must have one entry per logits row"),
+    ((X, LENS, 4, LENS.float()), TypeError, "`starts` must be torch.int32"),
+]
+
+
+@pytest.mark.parametrize("face", ["cpu", "cuda", "fake"])
+@pytest.mark.parametrize(("args", "error", "match"), ERROR_CASES)
+def test_validation(face, args, error, match):
+    with pytest.raises(error, match=match):
+        getattr(FACES["topk_indices"], face)(*args)
+
+
+def test_validation_through_the_dispatcher():
+    with pytest.raises(ValueError, match="`k` must be >= 1"):
+        torch.ops.dsa.topk_indices(X, LENS, 0)
+
+
+# --- GPU: realistic shapes (k = 2048) ------------------------------------------------------
+
+# (rows, N) = (B * next_n, L): the benchmark shapes
+GPU_SHAPES = [(1, 4096), (1, 65536), (8, 32768), (32, 32768), (64, 65536), (128, 32768),
+              (256, 8192)]
+
+
+def gpu_case(rows, n, *, full=False, seed=0, kind="normal", next_n=1):
+    """DeepGEMM-like logits: a [rows, n] view of a 256-aligned buffer, junk past each row's
+    length; lengths ~ U[n/2, n] (or all n), shaped [B, next_n]."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    width = -(-n // 256) * 256
+    buffer = torch.randn(rows, width, device="cuda", generator=gen)
+    if kind == "positive":
+        buffer = buffer.exp()
+    lengths = torch.full((rows,), n, device="cuda") if full else \
+        torch.randint(n // 2, n + 1, (rows,), device="cuda", generator=gen)
+    cols = torch.arange(width, device="cuda")
+    junk = torch.tensor(JUNK, device="cuda")[cols % len(JUNK)]
+    buffer = torch.where(cols < lengths[:, None], buffer, junk)
+    return buffer.narrow(1, 0, n), lengths.to(torch.int32).view(-1, next_n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "n"), GPU_SHAPES)
+@pytest.mark.parametrize("full", [False, True])
+def test_gpu_shapes(rows, n, full):
+    logits, lengths = gpu_case(rows, n, full=full, seed=rows + n)
+    out = torch.ops.dsa.topk_indices(logits, lengths, 2048)
+    check_topk(logits, lengths, 2048, None, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("parts", [1, 2, 8, 32])
+@pytest.mark.parametrize("kind", ["normal", "positive"])
+def test_gpu_launch_variants(parts, kind):
+    logits, lengths = gpu_case(64, 65536, seed=parts, kind=kind, next_n=2)
+    starts = torch.randint(0, 1000, (64,), device="cuda", dtype=torch.int32)
+    lengths = (lengths - starts.view_as(lengths)).clamp(min=0)  # junk stays past the end
+    for variant in (dict(parts=parts), dict(parts=parts, hist_bits=6, block=2048),
+                    dict(parts=parts, cap=256, num_warps=4)):
+        out = launch_topk(logits, lengths, 2048, starts, **variant)
+        check_topk(logits, lengths, 2048, starts, out)
+
+
+@pytest.mark.gpu
+def test_gpu_ties_and_spills():
+    """All-equal rows, few distinct values, -inf filling: exact counts on the GPU."""
+    logits, lengths = gpu_case(8, 32768, seed=5)
+    logits[0].fill_(2.0)
+    logits[1].copy_(torch.randint(0, 3, (32768,), device="cuda").float())
+    logits[2, ::2] = -float("inf")
+    logits[3].copy_(torch.linspace(0, 1, 32768, device="cuda") ** 8)
+    out = torch.ops.dsa.topk_indices(logits, lengths, 2048)
+    check_topk(logits, lengths, 2048, None, out)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph():
+    logits, lengths = gpu_case(16, 32768, seed=3, next_n=2)
+    fn = torch.compile(lambda x, lens: torch.ops.dsa.topk_indices(x, lens, 2048),
+                       fullgraph=True)
+    check_topk(logits, lengths, 2048, None, fn(logits, lengths))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "n"), [(2, 65536), (128, 32768)])
+def test_gpu_cuda_graph_replay(rows, n):
+    """Captured once, replayed with new logits and new lengths in the same buffers."""
+    logits, lengths = gpu_case(rows, n, seed=11)
+    torch.ops.dsa.topk_indices(logits, lengths, 2048)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.dsa.topk_indices(logits, lengths, 2048)
+    for seed in (12, 13):
+        new_logits, new_lengths = gpu_case(rows, n, seed=seed)
+        logits.copy_(new_logits)
+        lengths.copy_(new_lengths)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_topk(logits, lengths, 2048, None, out)
