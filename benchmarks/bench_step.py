@@ -60,12 +60,19 @@ def bench_shape(batch: int, length: int) -> list[object]:
         meta = host_built_decode_metadata(cfg, live, qsl_cpu)
         return layer(inputs["hidden"], inputs["q_latent"], live.positions, meta).slots
 
-    same = torch.equal(graph_step().sort(-1).values, eager_step().sort(-1).values)
+    overlap = _overlap(graph_step(), eager_step())
     graph_host, eager_host = host_us(graph_step), host_us(eager_step)
     graph_dev, eager_dev = device_us(graph_step), device_us(eager_step)
     return [batch, length, f"{graph_host:.0f}", f"{graph_dev:.0f}", f"{eager_host:.0f}",
             f"{eager_dev:.0f}", f"{eager_host / graph_host:.1f}x",
-            f"{eager_dev / graph_dev:.1f}x", "yes" if same else "NO"]
+            f"{eager_dev / graph_dev:.1f}x", f"{100 * overlap:.2f}%"]
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Fraction of selected slots the two runs share (their bf16 projections round apart:
+    inductor fuses them, eager does not, so near-ties may flip)."""
+    shared = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1) & (a >= 0)
+    return float(shared.sum() / (a >= 0).sum().clamp(min=1))
 
 
 def main() -> None:
@@ -74,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     header = ["B", "L", "graph host µs", "graph device µs", "eager+host-meta host µs",
-              "eager+host-meta device µs", "host ratio", "device ratio", "same top-k"]
+              "eager+host-meta device µs", "host ratio", "device ratio", "top-k overlap"]
     rows = []
     for shape in SHAPES:
         rows.append(bench_shape(*shape))
@@ -85,7 +92,9 @@ def main() -> None:
         "python benchmarks/bench_step.py",
         markdown_table(header, rows),
         notes=(f"hidden {HIDDEN}, q_lora_rank {Q_LORA_RANK}, H=64, D=128, top-k 2048, "
-               "next_n 1, full contexts, bf16, logits backend auto; ratio = eager / graph"),
+               "next_n 1, full contexts, bf16, logits backend auto; ratio = eager / graph; "
+               "top-k overlap: slots both runs select (their bf16 projections round "
+               "differently: inductor fuses them)"),
     )
     print(text)
     if args.out:
