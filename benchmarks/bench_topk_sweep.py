@@ -9,8 +9,9 @@ huge values) past each row's length, as DeepGEMM leaves them. Every variant of
 with ``triton.testing.do_bench`` (median, µs, eager launches: includes host launch cost when
 it exceeds the device time); the baseline is ``torch.topk`` on the logits with invalid
 columns set to -inf. Then ``torch.ops.dsa.topk_indices`` itself (the default variant
-behind the dispatcher), and the default variant and the baseline replayed from a CUDA graph
-(``do_bench_cudagraph``): the decode step runs that way.
+behind the dispatcher), and the ``GRAPHED`` variants (radix default, sampled threshold) and
+the baseline replayed from a CUDA graph (``do_bench_cudagraph``): the decode step runs that
+way, and those are the numbers that decide the default method.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ SHAPES = [(1, 1, 4096), (1, 1, 65536), (8, 1, 32768), (32, 1, 32768), (64, 1, 65
 JUNK = (float("nan"), float("inf"), -float("inf"), 3.0e38, 1.0e30)
 
 
-def _parts_times(factor: float) -> Callable[[int, int], dict]:
+def _parts_times(factor: float, **extra) -> Callable[[int, int], dict]:
     def kwargs(rows: int, n: int) -> dict:
-        return dict(parts=max(1, int(choose_parts(rows, n) * factor)))
+        limit = 16 if extra.get("method") == "sample" else 64
+        return dict(parts=max(1, int(choose_parts(rows, n, max_parts=limit) * factor)),
+                    **extra)
     return kwargs
 
 
@@ -48,12 +51,19 @@ def _parts_times(factor: float) -> Callable[[int, int], dict]:
 VARIANTS: dict[str, Callable[[int, int], dict]] = {
     "default": lambda rows, n: {},
     "hist6": lambda rows, n: dict(hist_bits=6),
-    "blk2k-w4": lambda rows, n: dict(block=2048, num_warps=4),
     "parts/2": _parts_times(0.5),
-    "parts*2": _parts_times(2),
     "fused": lambda rows, n: dict(parts=1),
+    # sampled threshold: one pass over rows longer than the register-held candidates
+    "sample": lambda rows, n: dict(method="sample"),
+    "sample-m3": lambda rows, n: dict(method="sample", margin=3.0),
+    "sample-w4": lambda rows, n: dict(method="sample", select_warps=4, num_warps=4,
+                                      block=2048),
+    "sample-parts/2": _parts_times(0.5, method="sample"),
+    "sample-row16k": lambda rows, n: dict(method="sample", row_cols=16384),
 }
-QUICK = ("default", "parts*2")
+QUICK = ("default", "sample")
+# variants also replayed from a CUDA graph (the decode step runs that way)
+GRAPHED = ("default", "sample")
 
 
 def make_case(rows: int, next_n: int, n: int, full: bool, data: str = "normal", seed: int = 0):
@@ -98,12 +108,17 @@ def bench_case(batch: int, next_n: int, n: int, full: bool, names: list[str],
     best = min(times, key=times.get)
     op = us(lambda: torch.ops.dsa.topk_indices(logits, lengths, TOPK))
     graph_base = us(baseline, graph=True)
-    graph_ours = us(lambda: launch_topk(logits, lengths, TOPK), graph=True)
+    graphed = []
+    for name in GRAPHED:
+        kwargs = VARIANTS[name](rows, n)
+        graphed.append(us(lambda kw=kwargs: launch_topk(logits, lengths, TOPK, **kw),
+                          graph=True))
     return [
         f"{rows}x{n} (B={batch}, next_n={next_n})", "full" if full else "U[L/2,L]",
         str(choose_parts(rows, n)), f"{base:.1f}", f"{best} {times[best]:.1f}",
         f"{base / times[best]:.1f}x", *(f"{times[m]:.1f}" for m in names), f"{op:.1f}",
-        f"{graph_base:.1f}", f"{graph_ours:.1f}", f"{graph_base / graph_ours:.1f}x",
+        f"{graph_base:.1f}", *(f"{t:.1f}" for t in graphed),
+        *(f"{graph_base / t:.1f}x" for t in graphed),
     ]
 
 
@@ -130,7 +145,8 @@ def main() -> None:
             print(f"done B={batch} next_n={next_n} L={n} full={full} "
                   f"({time.time() - started:.0f}s)", file=sys.stderr)
     header = ["rows x L", "lengths", "auto parts", "torch.topk µs", "best variant µs",
-              "speedup", *names, "op µs", "graph: torch µs", "graph: default µs", "graph speedup"]
+              "speedup", *names, "op µs", "graph: torch µs",
+              *(f"graph: {m} µs" for m in GRAPHED), *(f"graph speedup {m}" for m in GRAPHED)]
     print(f"\nk={TOPK}, {args.data} logits, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, "
           f"triton {triton.__version__}; eager do_bench medians in µs unless marked graph\n")

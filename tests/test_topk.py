@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa.ops import FACES
-from dsa.ops.topk import choose_parts, launch_topk
+from dsa.ops.topk import METHODS, choose_parts, choose_select_cap, launch_topk
 
 # the interpreter runs fp32 math in numpy, which warns where the GPU silently saturates
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
@@ -179,6 +179,50 @@ def test_launch_variants_interpreted(case, parts, block, bits, cap):
     check_both(logits, lengths, k, starts, out)
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
+@pytest.mark.interpret
+@settings(max_examples=25)
+@given(case=topk_cases(max_rows=3, max_cols=400), parts=st.sampled_from([1, 2, 4]),
+       block=st.sampled_from([32, 128]), cap=st.sampled_from([16, 64, 128, 512]),
+       margin=st.sampled_from([-100.0, 0.0, 4.0, 1e9]))
+def test_sampled_threshold_interpreted(case, parts, block, cap, margin):
+    """The sampled-threshold method: rows read whole (valid <= cap), thresholded rows, and
+    the radix fallback when the threshold is too high (margin -100: fewer than k keys
+    above it) or too low (1e9, or cap 16: more candidates than cap)."""
+    logits, lengths, k, starts = case
+    out = launch_topk(logits, lengths, k, starts, method="sample", parts=parts, block=block,
+                      select_cap=cap, sample_groups=16, margin=margin, hist_bits=5,
+                      refine_bits=5, window_block=64, finish_block=32)
+    check_both(logits, lengths, k, starts, out)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter test")
+@pytest.mark.interpret
+@pytest.mark.parametrize("margin", [-100.0, 4.0, 1e9])
+def test_sampled_threshold_paths(margin):
+    """Long rows through the pass: candidates kept (margin 4) or the fallback (threshold
+    too high / too low), with ties, -inf and a start offset."""
+    gen = torch.Generator().manual_seed(4)
+    values = torch.cat([torch.randn(1, 1000, generator=gen),
+                        torch.randint(-3, 4, (1, 1000), generator=gen).float(),
+                        make_values(gen, 1, 1000, "neg_inf")])
+    starts, lengths = i32([0, 0, 37]), i32([1000, 900, 950])
+    lo = starts.long()
+    logits = make_logits(gen, values, lo, (lo + lengths.long()).clamp(max=1000))
+    out = launch_topk(logits, lengths, 40, starts, method="sample", parts=2, block=128,
+                      select_cap=256, sample_groups=64, margin=margin, window_block=64,
+                      finish_block=64)
+    check_both(logits, lengths, 40, starts, out)
+
+
+def test_choose_select_cap():
+    assert choose_select_cap(4096, 2048) == 4096
+    assert choose_select_cap(5000, 2048) == 8192
+    assert choose_select_cap(65536, 2048) == 4096
+    assert choose_select_cap(100, 8) == 128
+    assert choose_select_cap(1 << 20, 1 << 15) == 1 << 15
+
+
 EDGE_CASES = {
     "all equal": (torch.full((2, 300), 1.5), [300, 200], 64),
     "ties at the threshold": (torch.tensor([[3.0] * 10 + [2.0] * 200 + [1.0] * 90] * 2),
@@ -304,6 +348,9 @@ def test_gpu_shapes(rows, n, full):
     logits, lengths = gpu_case(rows, n, full=full, seed=rows + n)
     out = torch.ops.dsa.topk_indices(logits, lengths, 2048)
     check_topk(logits, lengths, 2048, None, out)
+    for method in METHODS:
+        check_topk(logits, lengths, 2048, None, launch_topk(logits, lengths, 2048,
+                                                            method=method))
 
 
 @pytest.mark.gpu
@@ -314,7 +361,10 @@ def test_gpu_launch_variants(parts, kind):
     starts = torch.randint(0, 1000, (64,), device="cuda", dtype=torch.int32)
     lengths = (lengths - starts.view_as(lengths)).clamp(min=0)  # junk stays past the end
     for variant in (dict(parts=parts), dict(parts=parts, hist_bits=6, block=2048),
-                    dict(parts=parts, cap=256, num_warps=4)):
+                    dict(parts=parts, cap=256, num_warps=4),
+                    dict(method="sample", parts=min(parts, 16)),
+                    dict(method="sample", parts=min(parts, 16), margin=-100.0),
+                    dict(method="sample", parts=min(parts, 16), select_cap=2048)):
         out = launch_topk(logits, lengths, 2048, starts, **variant)
         check_topk(logits, lengths, 2048, starts, out)
 
@@ -327,8 +377,9 @@ def test_gpu_ties_and_spills():
     logits[1].copy_(torch.randint(0, 3, (32768,), device="cuda").float())
     logits[2, ::2] = -float("inf")
     logits[3].copy_(torch.linspace(0, 1, 32768, device="cuda") ** 8)
-    out = torch.ops.dsa.topk_indices(logits, lengths, 2048)
-    check_topk(logits, lengths, 2048, None, out)
+    for method in METHODS:
+        out = launch_topk(logits, lengths, 2048, method=method)
+        check_topk(logits, lengths, 2048, None, out)
 
 
 @pytest.mark.gpu

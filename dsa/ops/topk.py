@@ -31,6 +31,15 @@ programs per row run the histogram and the collect passes (one launch each, exch
 window and the partial histograms through a per-call int32 scratch buffer) and one program
 per row the finish. No host sync, no atomics, no data-dependent sizes: the op captures in a
 CUDA graph.
+
+``method="sample"`` of :func:`launch_topk` (sampled threshold) reads long rows once: each
+of ``parts`` programs estimates from a sample of the row a key T a few standard deviations
+below the k-th largest, then compacts its part's keys >= T (and their indices) into its
+candidate region. One program per row then holds the candidates in registers (or, for rows
+with ``valid <= select_cap``, the whole row, without the pass), bisects on the key for the
+k-th largest and writes the larger keys and enough ties. Rows whose candidates are fewer
+than k or more than ``select_cap`` fall back to the radix select above. ``DEFAULT_METHOD``
+is the op's.
 """
 
 from __future__ import annotations
@@ -410,6 +419,24 @@ SLOT = 8
 
 
 @triton.jit
+def _radix_row(row_ptr, out_row, cand_row, n_cols, k, lo, hi, off, G: tl.constexpr,
+               W: tl.constexpr, GB: tl.constexpr, HB: tl.constexpr, RB: tl.constexpr,
+               CAP: tl.constexpr, BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr):
+    """Every step of the radix select for one row with ``valid > k`` (one program)."""
+    lo_key, linear, lf, scale, shift = _window(row_ptr, lo, hi, k, HB, G, W, GB)
+    base = (lo // BLOCK) * BLOCK
+    hist = _histogram(row_ptr, n_cols, lo, hi, base, lo_key, linear, lf, scale, shift,
+                      1 << HB, BLOCK)
+    t, above, at = _threshold(hist, k, 1 << HB)
+    k_lo, k_top = _bin_keys(t, lo_key, linear, lf, scale, shift, 1 << HB)
+    _collect(row_ptr, out_row, cand_row, n_cols, k, lo, hi, base, lo, off, k_lo, k_top,
+             above, at, 0, 0, CAP, BLOCK)
+    tl.debug_barrier()  # the candidate buffer is read back by other threads
+    _finish(row_ptr, out_row, cand_row, k, lo, hi, off, k_lo, k_top, above, at, CAP, RB,
+            FINISH_BLOCK)
+
+
+@triton.jit
 def _topk_fused_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, out_ptr, cand_ptr,
                        n_cols, k, HAS_STARTS: tl.constexpr, G: tl.constexpr, W: tl.constexpr,
                        GB: tl.constexpr, HB: tl.constexpr, RB: tl.constexpr,
@@ -417,23 +444,13 @@ def _topk_fused_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, out_ptr,
     """One program per row: every step."""
     row = tl.program_id(0)
     lo, hi, off = _row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     out_row = out_ptr + row.to(tl.int64) * k
-    cand_row = cand_ptr + row.to(tl.int64) * CAP
     if hi - lo <= k:
         _write_all(out_row, hi - lo, off, k, FINISH_BLOCK)
     else:
-        lo_key, linear, lf, scale, shift = _window(row_ptr, lo, hi, k, HB, G, W, GB)
-        base = (lo // BLOCK) * BLOCK
-        hist = _histogram(row_ptr, n_cols, lo, hi, base, lo_key, linear, lf, scale, shift,
-                          1 << HB, BLOCK)
-        t, above, at = _threshold(hist, k, 1 << HB)
-        k_lo, k_top = _bin_keys(t, lo_key, linear, lf, scale, shift, 1 << HB)
-        _collect(row_ptr, out_row, cand_row, n_cols, k, lo, hi, base, lo, off, k_lo, k_top,
-                 above, at, 0, 0, CAP, BLOCK)
-        tl.debug_barrier()  # the candidate buffer is read back by other threads
-        _finish(row_ptr, out_row, cand_row, k, lo, hi, off, k_lo, k_top, above, at, CAP, RB,
-                FINISH_BLOCK)
+        _radix_row(logits_ptr + row.to(tl.int64) * stride_row, out_row,
+                   cand_ptr + row.to(tl.int64) * CAP, n_cols, k, lo, hi, off, G, W, GB, HB,
+                   RB, CAP, BLOCK, FINISH_BLOCK)
 
 
 @triton.jit
@@ -506,6 +523,131 @@ def _topk_finish_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, slots_p
                 tl.load(slot + 6), above, at, CAP, RB, FINISH_BLOCK)
 
 
+# --- sampled threshold: one pass over long rows, the selection on registers -------------
+
+
+@triton.jit
+def _kth_bracket(keys, member, need):
+    """Bisection on the key towards the ``need``-th largest member key (``1 <= need <=
+    count(member)``): (t, c) with ``c = count(key >= t) >= need`` and ``count(key > t) <
+    need`` or ``c == need`` (an early exit). Non-member keys must be ``_INT_MIN`` (never
+    counted: every probe lies above the smallest member key)."""
+    lo = tl.min(tl.where(member, keys, _INT_MAX)).to(tl.int64)
+    hi = tl.max(keys).to(tl.int64) + 1  # count(key >= hi) == 0 < need
+    c_lo = tl.sum(member.to(tl.int32))
+    while (hi - lo > 1) & (c_lo != need):
+        mid = lo + ((hi - lo) >> 1)
+        c = tl.sum((keys >= mid.to(tl.int32)).to(tl.int32))
+        up = c >= need
+        lo = tl.where(up, mid, lo)
+        c_lo = tl.where(up, c, c_lo)
+        hi = tl.where(up, hi, mid)
+    return lo.to(tl.int32), c_lo
+
+
+@triton.jit
+def _select_write(keys, idx, member, k, out_row):
+    """Writes the output indices ``idx`` of the k largest member keys (``count(member) >
+    k``; ties: the first ones) to ``out_row[0:k]``."""
+    keys = tl.where(member, keys, _INT_MIN)
+    t, _ = _kth_bracket(keys, member, k)
+    # keys > t are all taken (fewer than k), then keys == t up to k
+    gt = member & (keys > t)
+    eq = member & (keys == t)
+    flags = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+    before = tl.cumsum(flags, 0) - flags
+    n_gt = tl.sum(gt.to(tl.int32))
+    pos = tl.where(gt, before & 0xFFFF, n_gt + (before >> 16))
+    tl.store(out_row + pos, idx, mask=(gt | eq) & (pos < k))
+
+
+@triton.jit
+def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constexpr):
+    """Key T with about ``k + margin * sqrt(k)`` (scaled to the sample) of the row's keys
+    >= T, from G groups of up to W consecutive columns spread over the row."""
+    valid = hi - lo
+    stride = tl.maximum(valid // G, 1)
+    width = tl.minimum(stride, W)
+    i = tl.arange(0, G * W)
+    member = i % W
+    cols = lo + (i // W) * stride + member
+    ok = (member < width) & (cols < hi)
+    keys = tl.where(ok, _key(tl.load(row_ptr + cols, mask=ok, other=0.0)), _INT_MIN)
+    n_s = tl.sum(ok.to(tl.int32))
+    expect = n_s.to(tl.float32) * k / valid.to(tl.float32)  # sample keys >= the k-th largest
+    rank = (expect + margin * tl.sqrt(expect)).to(tl.int32) + 2
+    t, _ = _kth_bracket(keys, ok, tl.minimum(tl.maximum(rank, 1), n_s))
+    return t
+
+
+@triton.jit
+def _sample_pass_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, count_ptr,
+                        n_cols, k, margin, HAS_STARTS: tl.constexpr, PARTS: tl.constexpr,
+                        G: tl.constexpr, W: tl.constexpr, CAP: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Program (row, part) of a row with ``valid > CAP``: the row's threshold T from a
+    sample, then the part's keys >= T and their output indices into its candidate region
+    (``CAP`` keys, then ``CAP`` indices), and their count."""
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    lo, hi, off = _row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
+    if hi - lo > CAP:
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        t = _sample_threshold(row_ptr, lo, hi, k, margin, G, W)
+        a, b, base = _part_span(lo, hi, part, PARTS, BLOCK)
+        region = cand_ptr + (row * PARTS + part).to(tl.int64) * (2 * CAP)
+        offs = tl.arange(0, BLOCK)
+        seen = tl.zeros([], tl.int32)
+        for c in range(base, b, BLOCK):
+            cols = c + offs
+            key = _key(tl.load(row_ptr + cols, mask=cols < n_cols, other=0.0))
+            take = (_inside(cols, a, b) & (key >= t)).to(tl.int32)
+            pos = seen + tl.cumsum(take, 0) - take
+            ok = (take != 0) & (pos < CAP)
+            tl.store(region + pos, key, mask=ok)
+            tl.store(region + CAP + pos, cols - lo + off, mask=ok)
+            seen += tl.sum(take)
+        tl.store(count_ptr + row * PARTS + part, seen)
+
+
+@triton.jit
+def _sample_finish_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr,
+                          count_ptr, out_ptr, n_cols, k, HAS_STARTS: tl.constexpr,
+                          PARTS: tl.constexpr, CAP: tl.constexpr, G: tl.constexpr,
+                          W: tl.constexpr, GB: tl.constexpr, HB: tl.constexpr,
+                          RB: tl.constexpr, BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr):
+    """Program per row: ``valid <= k``: all; ``valid <= CAP``: the row read whole into
+    registers; else the parts' candidates, or the radix select when they are not usable
+    (fewer than k: the threshold was too high; more than CAP: too low)."""
+    row = tl.program_id(0)
+    lo, hi, off = _row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    out_row = out_ptr + row.to(tl.int64) * k
+    j = tl.arange(0, CAP)
+    if hi - lo <= k:
+        _write_all(out_row, hi - lo, off, k, FINISH_BLOCK)
+    elif hi - lo <= CAP:
+        member = j < hi - lo
+        keys = _key(tl.load(row_ptr + lo + j, mask=member, other=0.0))
+        _select_write(keys, j + off, member, k, out_row)
+    else:
+        region = cand_ptr + row.to(tl.int64) * (PARTS * 2 * CAP)
+        total = tl.zeros([], tl.int32)
+        src = j
+        for p in tl.static_range(PARTS):
+            count = tl.load(count_ptr + row * PARTS + p)
+            src = tl.where((j >= total) & (j - total < count), p * 2 * CAP + j - total, src)
+            total += count
+        if (total >= k) & (total <= CAP):
+            member = j < total
+            keys = tl.load(region + src, mask=member, other=0)
+            idx = tl.load(region + CAP + src, mask=member, other=0)
+            _select_write(keys, idx, member, k, out_row)
+        else:
+            _radix_row(row_ptr, out_row, region, n_cols, k, lo, hi, off, G, W, GB, HB, RB,
+                       CAP, BLOCK, FINISH_BLOCK)
+
+
 # --- launch ------------------------------------------------------------------------------
 
 # groups of the window's sample; for k above it the window is the whole key range (slower)
@@ -522,34 +664,70 @@ def choose_parts(rows: int, n_cols: int, *, target_programs: int = 256,
     return parts
 
 
+def choose_select_cap(n_cols: int, k: int, *, row_cols: int = 8192) -> int:
+    """Candidates held in registers by the sampled-threshold finish: the whole row when
+    ``n_cols <= row_cols`` (no pass over the row), else room for about twice k."""
+    if n_cols <= row_cols:
+        return max(16, triton.next_power_of_2(n_cols))
+    return min(MAX_SELECT_CAP, max(4096, triton.next_power_of_2(2 * k)))
+
+
+# the finish packs two counts below 2**16 into one int32
+MAX_SELECT_CAP = 1 << 15
+METHODS = ("radix", "sample")
+# the method of the op's CUDA face
+DEFAULT_METHOD = "radix"
+
+
+def _power_of_two(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"launch_topk: `{name}` must be a power of two, got {value}")
+
+
 def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None, *,
-                out: Tensor | None = None, parts: int | None = None, block: int = 4096,
-                hist_bits: int = 8, refine_bits: int = 8, cap: int = 4096,
+                out: Tensor | None = None, method: str = "radix", parts: int | None = None,
+                block: int = 4096, hist_bits: int = 8, refine_bits: int = 8, cap: int = 4096,
                 sample_width: int = 4, window_block: int = 2048, finish_block: int = 1024,
                 num_warps: int = 8, finish_warps: int = 4, target_programs: int = 256,
-                min_part_cols: int = 4096) -> Tensor:
+                min_part_cols: int = 4096, select_cap: int | None = None,
+                row_cols: int = 8192, sample_groups: int = 1024, margin: float = 4.0,
+                select_warps: int = 8) -> Tensor:
     """Runs the Triton top-k (arguments already validated) into ``out`` and returns it.
 
-    parts: programs per row for the two passes over the row (power of two; 1 = one fused
-        kernel; None = :func:`choose_parts` with ``target_programs``, ``min_part_cols``).
+    method: "radix" (window, histogram and collect passes, radix finish) or "sample"
+        (sampled threshold: one pass keeps the keys above a threshold estimated from a
+        sample, one program per row selects among them in registers; rows whose
+        candidates are too few or too many fall back to the radix select).
+    parts: programs per row for the passes over the row (power of two; 1 = one fused
+        kernel for "radix"; None = :func:`choose_parts` with ``target_programs``,
+        ``min_part_cols``, at most 16 for "sample").
     block: columns per step of those passes. hist_bits / refine_bits: bits of the row
         histogram / of each refining round (>= 5). cap: candidate buffer entries per row.
     sample_width: columns per group of the window's sample (``next_power_of_2(k)`` groups);
         window_block: its step. finish_block: step of the finish and of rows with
         ``valid <= k``. num_warps: row passes; finish_warps: the split finish kernel.
+    "sample" only: select_cap: candidates per row held in registers (power of two <= 2**15;
+        None = :func:`choose_select_cap` with ``row_cols``): rows with ``valid <= select_cap``
+        are read whole by the finish, longer ones pass the threshold first.
+        sample_groups: groups of ``sample_width`` columns in the threshold's sample.
+        margin: the threshold sits ``margin`` standard deviations of the sample count
+        below the estimated k-th largest. select_warps: warps of the finish.
     """
     rows, n_cols = logits.shape
     if out is None:
         out = logits.new_empty((rows, k), dtype=torch.int32)
     if rows == 0:
         return out
+    if method not in METHODS:
+        raise ValueError(f"launch_topk: `method` must be one of {METHODS}, got {method!r}")
     if parts is None:
         parts = choose_parts(rows, n_cols, target_programs=target_programs,
-                             min_part_cols=min_part_cols)
-    for name, value in (("parts", parts), ("block", block), ("window_block", window_block),
-                        ("finish_block", finish_block), ("sample_width", sample_width)):
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"launch_topk: `{name}` must be a power of two, got {value}")
+                             min_part_cols=min_part_cols,
+                             max_parts=16 if method == "sample" else 64)
+    _power_of_two(parts=parts, block=block, window_block=window_block,
+                  finish_block=finish_block, sample_width=sample_width,
+                  sample_groups=sample_groups)
     if not 5 <= min(hist_bits, refine_bits) <= max(hist_bits, refine_bits) <= 12:
         raise ValueError("launch_topk: `hist_bits` and `refine_bits` must be in [5, 12]")
     if max(block, finish_block) > 1 << 15:
@@ -558,11 +736,32 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     window = dict(G=groups, W=sample_width,
                   GB=max(1, min(groups, window_block // sample_width)))
     flags = dict(HAS_STARTS=starts is not None)
+    head = (logits, logits.stride(0), lengths, lengths if starts is None else starts)
+    if method == "sample":
+        if select_cap is None:
+            select_cap = choose_select_cap(n_cols, k, row_cols=row_cols)
+        _power_of_two(select_cap=select_cap)
+        if select_cap > MAX_SELECT_CAP:
+            raise ValueError(f"launch_topk: `select_cap` must be <= {MAX_SELECT_CAP}")
+        scratch = torch.empty(rows * parts * (2 * select_cap + 1), dtype=torch.int32,
+                              device=logits.device)
+        cand, counts = scratch[rows * parts:], scratch[: rows * parts]
+        if n_cols > select_cap:  # some rows may be longer than the candidates
+            _sample_pass_kernel[(rows, parts)](
+                *head, cand, counts, n_cols, k, min(max(float(margin), -1e4), 1e4),
+                PARTS=parts, G=sample_groups, W=sample_width, CAP=select_cap, BLOCK=block,
+                num_warps=num_warps, **flags,
+            )
+        _sample_finish_kernel[(rows,)](
+            *head, cand, counts, out, n_cols, k, PARTS=parts, CAP=select_cap, HB=hist_bits,
+            RB=refine_bits, BLOCK=block, FINISH_BLOCK=finish_block, num_warps=select_warps,
+            **window, **flags,
+        )
+        return out
     nb = 1 << hist_bits
     split = rows * (SLOT + parts * nb) if parts > 1 else 0
     scratch = torch.empty(rows * cap + split, dtype=torch.int32, device=logits.device)
     cand = scratch[: rows * cap]
-    head = (logits, logits.stride(0), lengths, lengths if starts is None else starts)
     if parts == 1:
         _topk_fused_kernel[(rows,)](
             *head, out, cand, n_cols, k, HB=hist_bits, RB=refine_bits, CAP=cap, BLOCK=block,
@@ -588,7 +787,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
 
 def _topk_cuda(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None) -> Tensor:
     out = _topk_out(logits, lengths, k, starts)
-    return launch_topk(logits, lengths, k, starts, out=out)
+    return launch_topk(logits, lengths, k, starts, out=out, method=DEFAULT_METHOD)
 
 
 topk_indices = register(
