@@ -18,6 +18,21 @@ def device_us(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> 
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def graph_us(fn: Callable[[], object], *, replays: int = 10) -> float:
+    """Median device time of one ``fn`` in µs, from a CUDA graph of ``replays`` calls: how a
+    captured decode step runs it, with no launch overhead."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up: compiles, allocates
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(replays):
+            fn()
+    return device_us(graph.replay) / replays
+
+
 def host_us(fn: Callable[[], object], *, iters: int = 50) -> float:
     """Median host time of one call of ``fn`` in µs: launch work only, the GPU drained first."""
     times = []
