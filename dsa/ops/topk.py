@@ -675,8 +675,8 @@ def choose_select_cap(n_cols: int, k: int, *, row_cols: int = 8192) -> int:
 # the finish packs two counts below 2**16 into one int32
 MAX_SELECT_CAP = 1 << 15
 METHODS = ("radix", "sample")
-# the method of the op's CUDA face
-DEFAULT_METHOD = "radix"
+# the method of the op's CUDA face: the faster one at every H200 benchmark shape (BENCHMARKS.md)
+DEFAULT_METHOD = "sample"
 
 
 def _power_of_two(**values: int) -> None:
