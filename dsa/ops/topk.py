@@ -675,7 +675,8 @@ def choose_select_cap(n_cols: int, k: int, *, row_cols: int = 8192) -> int:
 # the finish packs two counts below 2**16 into one int32
 MAX_SELECT_CAP = 1 << 15
 METHODS = ("radix", "sample")
-# the method of the op's CUDA face: the faster one at every H200 benchmark shape (BENCHMARKS.md)
+# the method of the op's CUDA face: faster at 7 of the 8 H200 benchmark shapes, within 1 µs at
+# the eighth (BENCHMARKS.md)
 DEFAULT_METHOD = "sample"
 
 

@@ -1,0 +1,179 @@
+"""dsa.Indexer end to end on the CPU: prefill, then an uneven, padded MTP decode step, each
+token's selection checked against a float64 reference written from the model's equations."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dsa
+from dsa.graphs import pad_batch
+from tests import reference_compute as ref
+
+HIDDEN, Q_LORA_RANK, ROPE_DIM, THETA = 32, 24, 32, 10000.0
+PROMPTS, DECODE = [20, 7, 33], [2, 1, 2]
+
+
+def make_config(**overrides) -> dsa.IndexerConfig:
+    return dsa.IndexerConfig(**{
+        "max_num_reqs": 4, "max_num_batched_tokens": 64, "max_model_len": 256,
+        "num_heads": 16, "head_dim": 64, "topk": 16, "block_size": 16, "next_n": 2,
+        **overrides})
+
+
+def make_layer(cfg: dsa.IndexerConfig, seed: int = 0) -> dsa.Indexer:
+    torch.manual_seed(seed)
+    layer = dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, rope_dim=ROPE_DIM,
+                        rope_theta=THETA, num_blocks=3 * cfg.max_blocks_per_req,
+                        dtype=torch.float32)
+    with torch.no_grad():
+        layer.k_norm.weight.uniform_(0.5, 1.5)
+        layer.k_norm.bias.uniform_(-0.2, 0.2)
+    return layer
+
+
+def reference_projection(layer: dsa.Indexer, hidden, q_latent, positions):
+    """q [T, H, D], k [T, D], head weights [T, H] in float64, from the DeepSeek V3.2 indexer's
+    equations (NeoX RoPE on the first ROPE_DIM dims, then the orthonormal Hadamard)."""
+    cfg = layer.cfg
+    w = {name: p.detach().double() for name, p in layer.state_dict().items()}
+    q = (q_latent.double() @ w["wq_b.weight"].T).view(-1, cfg.num_heads, cfg.head_dim)
+    k = F.layer_norm(hidden.double() @ w["wk.weight"].T, (cfg.head_dim,), w["k_norm.weight"],
+                     w["k_norm.bias"], eps=1e-6)
+    half = ROPE_DIM // 2
+    freq = THETA ** (-torch.arange(half, dtype=torch.float64) * 2 / ROPE_DIM)
+    angle = positions.double()[:, None] * freq
+
+    def rope(x, cos, sin):
+        x1, x2 = x[..., :half], x[..., half:ROPE_DIM]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., ROPE_DIM:]], -1)
+
+    q = rope(q, angle.cos()[:, None], angle.sin()[:, None])
+    k = rope(k, angle.cos(), angle.sin())
+    idx = torch.arange(cfg.head_dim)
+    popcount = torch.tensor([bin(i & j).count("1") for i in idx for j in idx]).view(
+        cfg.head_dim, cfg.head_dim)
+    hadamard = (-1.0) ** popcount.double() / math.sqrt(cfg.head_dim)
+    return q @ hadamard, k @ hadamard, hidden.double() @ w["weights_proj.weight"].T
+
+
+def reference_logits(layer, tokens):
+    """Logits of every token over its own request's positions 0..pos, from SPEC §2-§3's
+    quantisation of the float64 projections. ``tokens``: (request, pos, hidden, q_latent)."""
+    hidden = torch.stack([t[2] for t in tokens])
+    q_latent = torch.stack([t[3] for t in tokens])
+    positions = torch.tensor([t[1] for t in tokens])
+    q, k, w = reference_projection(layer, hidden, q_latent, positions)
+    q_codes, head_weights = ref.quantize_q(q.float().numpy(), w.float().numpy(), False)
+    keys = {}
+    for (r, pos, *_), row in zip(tokens, k.float().numpy()):
+        codes, scale = ref.quantize_row(row, False)
+        keys[r, pos] = (ref.fp8_decode(codes), float(scale))
+    out = []
+    for t, (r, pos, *_) in enumerate(tokens):
+        k_rows = np.stack([keys[r, p][0] for p in range(pos + 1)])
+        k_scales = np.array([keys[r, p][1] for p in range(pos + 1)])
+        out.append(ref._logits(ref.fp8_decode(q_codes[t]), head_weights[t], k_rows, k_scales))
+    return out
+
+
+def check_selection(indices: torch.Tensor, logits: list[np.ndarray], k: int) -> None:
+    """Each row: min(k, valid) unique valid indices, then -1; a true top-k up to fp noise."""
+    for row, ref_logits in zip(indices.tolist(), logits):
+        valid = len(ref_logits)
+        chosen = [i for i in row if i >= 0]
+        assert row[len(chosen):] == [-1] * (k - len(chosen))
+        assert len(chosen) == len(set(chosen)) == min(k, valid)
+        assert all(0 <= i < valid for i in chosen)
+        rest = np.delete(ref_logits, chosen)
+        if rest.size:
+            tol = 1e-4 * np.abs(ref_logits).max()
+            assert ref_logits[chosen].min() >= rest.max() - tol
+
+
+def run_prefill_then_decode(layer: dsa.Indexer):
+    cfg = layer.cfg
+    width = cfg.max_blocks_per_req
+    table = torch.arange(3 * width, dtype=torch.int32).view(3, width).flip(0).contiguous()
+    seq_lens, history = [0, 0, 0], []
+
+    def batch_for(query_lens):
+        qsl, positions, slots, tokens = [0], [], [], []
+        for r, q in enumerate(query_lens):
+            for pos in range(seq_lens[r], seq_lens[r] + q):
+                positions.append(pos)
+                slots.append(int(table[r, pos // cfg.block_size]) * cfg.block_size
+                             + pos % cfg.block_size)
+                tokens.append((r, pos, torch.randn(HIDDEN), torch.randn(Q_LORA_RANK)))
+            seq_lens[r] += q
+            qsl.append(qsl[-1] + q)
+        batch = dsa.Batch(torch.tensor(qsl, dtype=torch.int32),
+                          torch.tensor(seq_lens, dtype=torch.int32), table,
+                          torch.tensor(slots), torch.tensor(positions))
+        return batch, qsl, tokens
+
+    def inputs(tokens, capacity):
+        pad = capacity - len(tokens)
+        hidden = torch.stack([t[2] for t in tokens] + [torch.zeros(HIDDEN)] * pad)
+        q_latent = torch.stack([t[3] for t in tokens] + [torch.zeros(Q_LORA_RANK)] * pad)
+        return hidden, q_latent
+
+    batch, qsl, tokens = batch_for(PROMPTS)
+    meta = dsa.build_prefill_metadata(cfg, batch, seq_lens_cpu=list(seq_lens),
+                                      query_start_loc_cpu=qsl)
+    prefill = layer(*inputs(tokens, batch.num_tokens), batch.positions, meta)
+    history += tokens
+
+    live, _, tokens = batch_for(DECODE)
+    padded = pad_batch(live, 4, 4 * cfg.next_n)  # one padding request, three padding tokens
+    decode = layer(*inputs(tokens, padded.num_tokens), padded.positions,
+                   dsa.build_decode_metadata(cfg, padded))
+    history += tokens
+    return prefill, decode, history, table
+
+
+@pytest.mark.parametrize("layout", ["native", "flat"])
+def test_prefill_and_decode_select_the_true_top_k(layout):
+    cfg = make_config(decode_layout=layout)
+    layer = make_layer(cfg)
+    prefill, decode, history, table = run_prefill_then_decode(layer)
+    logits = reference_logits(layer, history)
+    num_prefill = sum(PROMPTS)
+    check_selection(prefill.indices, logits[:num_prefill], cfg.topk)
+    real = sum(DECODE)
+    check_selection(decode.indices[:real], logits[num_prefill:], cfg.topk)
+    assert (decode.indices[real:] == -1).all() and (decode.slots[real:] == -1).all()
+
+    requests = [r for r, *_ in history[num_prefill:]]
+    for t, r in enumerate(requests):
+        idx = decode.indices[t]
+        want = torch.where(idx >= 0, table[r, idx.clamp(min=0) // 16] * 16 + idx % 16, -1)
+        assert torch.equal(decode.slots[t], want.int())
+
+
+def test_weights_load_from_a_deepseek_state_dict():
+    cfg = make_config()
+    source, target = make_layer(cfg, seed=1), make_layer(cfg, seed=2)
+    state = source.state_dict()
+    assert set(state) == {"wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias",
+                          "weights_proj.weight"}
+    target.load_state_dict(state)
+    torch.manual_seed(3)
+    first = run_prefill_then_decode(source)[1]
+    torch.manual_seed(3)
+    second = run_prefill_then_decode(target)[1]
+    assert torch.equal(first.indices, second.indices)
+
+
+def test_indexer_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="rope_dim must be even and in"):
+        dsa.Indexer(make_config(), hidden_size=8, q_lora_rank=8, num_blocks=4, rope_dim=65)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        dsa.Indexer(make_config(head_dim=48), hidden_size=8, q_lora_rank=8, num_blocks=4,
+                    rope_dim=32)
+    with pytest.raises(ValueError, match="kpool tail is a storage-only cache"):
+        dsa.Indexer(make_config(kpool=8), hidden_size=8, q_lora_rank=8, num_blocks=4)
