@@ -10,6 +10,8 @@ from torch import Tensor
 from dsa.config import IndexerConfig
 from dsa.ops._checks import INDEX_DTYPES, POSITION_DTYPES, check_size, check_tensor
 
+ops = torch.ops.dsa
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -73,3 +75,18 @@ def check_batch(op: str, cfg: IndexerConfig, batch: Batch) -> None:
     positions = check_tensor(op, "positions", batch.positions, dtype=POSITION_DTYPES, ndim=1,
                              contiguous=True, like=qsl)
     check_size(op, "positions", positions, 0, slots.shape[0], "len(slot_mapping)")
+
+
+def indexer_table_and_slots(cfg: IndexerConfig, batch: Batch) -> tuple[Tensor, Tensor]:
+    """The indexer's block table per request (coarsened by ``cfg.table_factor``) and the
+    slot each token's indexer K goes to (compressed states when R > 1; -1: nowhere)."""
+    table = batch.block_table
+    if cfg.table_factor > 1:
+        table = ops.compress_block_table(table, cfg.table_factor)
+    if cfg.compress_ratio == 1:
+        return table, batch.slot_mapping
+    slots = ops.compressed_slot_mapping(
+        batch.query_start_loc, batch.seq_lens, table, batch.num_tokens, cfg.block_size,
+        cfg.compress_ratio, cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
+    )
+    return table, slots

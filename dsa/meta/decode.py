@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from dsa.config import IndexerConfig
-from dsa.meta.batch import Batch, check_batch
+from dsa.meta.batch import Batch, check_batch, indexer_table_and_slots
 from dsa.ops._deepgemm import deepgemm_paged_supported
 
 ops = torch.ops.dsa
@@ -75,17 +75,7 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
     num_tokens = batch.num_tokens
     ratio = cfg.compress_ratio
 
-    request_table = batch.block_table
-    if cfg.table_factor > 1:
-        request_table = ops.compress_block_table(request_table, cfg.table_factor)
-
-    if ratio > 1:
-        slot_mapping = ops.compressed_slot_mapping(
-            qsl, seq_lens, request_table, num_tokens, cfg.block_size, ratio,
-            cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
-        )
-    else:
-        slot_mapping = batch.slot_mapping
+    request_table, slot_mapping = indexer_table_and_slots(cfg, batch)
     kpool_slots = None
     if cfg.kpool is not None:
         kpool_slots = ops.kpool_tail_slot_mapping(qsl, batch.block_table, batch.positions,

@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 from dsa.config import IndexerConfig
-from dsa.meta.batch import Batch, check_batch
+from dsa.meta.batch import Batch, check_batch, indexer_table_and_slots
 from dsa.meta.chunking import split_prefill_chunks
+from dsa.ops.dcp import local_share
 
 ops = torch.ops.dsa
 
@@ -103,19 +104,11 @@ def build_prefill_metadata(
                          f"got {num_decodes}")
 
     ratio = cfg.compress_ratio
-    request_table = batch.block_table
-    if cfg.table_factor > 1:
-        request_table = ops.compress_block_table(request_table, cfg.table_factor)
-    if ratio > 1:
-        slot_mapping = ops.compressed_slot_mapping(
-            batch.query_start_loc, batch.seq_lens, request_table, batch.num_tokens,
-            cfg.block_size, ratio, cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
-        )
-    else:
-        slot_mapping = batch.slot_mapping
+    request_table, slot_mapping = indexer_table_and_slots(cfg, batch)
 
     states = [s // ratio for s in seq_host]
-    local_states = [_local_len(n, cfg) for n in states]
+    local_states = local_share(torch.tensor(states, dtype=torch.int64), cfg.dcp_world,
+                               cfg.dcp_rank, cfg.dcp_interleave).tolist()
     query_lens = [qsl_host[r + 1] - qsl_host[r] for r in range(num_reqs)]
     pieces = split_prefill_chunks(
         states[num_decodes:], query_lens[num_decodes:], cfg.prefill_workspace_rows,
@@ -155,11 +148,6 @@ def build_prefill_metadata(
         request_block_table=request_table,
         token_requests=ops.decode_row_requests(batch.query_start_loc, batch.num_tokens),
     )
-
-
-def _local_len(n: int, cfg: IndexerConfig) -> int:
-    """This DCP rank's share of ``n`` keys (interleave 1)."""
-    return (n + cfg.dcp_world - 1 - cfg.dcp_rank) // cfg.dcp_world
 
 
 def _host_list(x: Sequence[int] | Tensor) -> list[int]:

@@ -53,13 +53,9 @@ def _backend_reason(device: torch.device) -> str | None:
 def paged_unsupported_reason(device: torch.device, num_heads: int, head_dim: int,
                              block_size: int, next_n: int) -> str | None:
     """Why DeepGEMM's paged MQA logits cannot take this call, or None when it can."""
-    reason = _backend_reason(device)
+    reason = mqa_unsupported_reason(device, num_heads, head_dim)
     if reason is not None:
         return reason
-    if num_heads not in PAGED_HEADS:
-        return f"it needs num_heads in {PAGED_HEADS}, got {num_heads}"
-    if head_dim not in PAGED_HEAD_DIMS:
-        return f"it needs head_dim in {PAGED_HEAD_DIMS}, got {head_dim}"
     if block_size != PAGED_BLOCK_SIZE:
         return f"it needs block_size {PAGED_BLOCK_SIZE}, got {block_size}"
     if next_n not in PAGED_NEXT_N:
