@@ -180,7 +180,8 @@ def test_reduce_overhead_mode_captures_without_skips(backend):
                   else contextlib.nullcontext()):
                 got = [t.clone() for t in compiled(padded, **x)]
             want = eager_reference(padded, **x)
-            for g, w in zip(got, want):
-                same = (g.sort(-1).values == w.sort(-1).values).float().mean().item()
-                assert same > 0.99
+            for g, w in zip(got, want):  # fused bf16 projections may flip near-ties
+                shared = (g.unsqueeze(-1) == w.unsqueeze(-2)).any(-1) & (g >= 0)
+                assert shared.sum() >= 0.99 * (g >= 0).sum()
+                assert torch.equal(g >= 0, w >= 0)
     assert counters["inductor"]["cudagraph_skips"] == 0
