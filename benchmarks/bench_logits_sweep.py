@@ -119,7 +119,7 @@ def bench_shape(shape, configs, device, top):
     run = functools.partial(paged_logits_triton, *inputs, context)
     times = sorted(((time_us(functools.partial(run, config=c)), c) for c in configs),
                    key=lambda tc: tc[0])
-    default = paged_logits_config(batch, next_n, HEADS, context, device)
+    default = paged_logits_config(batch, next_n, HEADS, context)
     default_us = time_us(functools.partial(run, config=default))
     dg_us = float("nan")
     if _deepgemm.deepgemm_paged_supported(device, HEADS, HEAD_DIM, BLOCK_SIZE, next_n):

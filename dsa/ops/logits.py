@@ -106,8 +106,8 @@ class PagedLogitsConfig:
     num_stages: int = 3
 
 
-def paged_logits_config(batch: int, next_n: int, num_heads: int, max_context_len: int,
-                        device: torch.device) -> PagedLogitsConfig:
+def paged_logits_config(batch: int, next_n: int, num_heads: int,
+                        max_context_len: int) -> PagedLogitsConfig:
     """Default launch parameters for a shape, from the H200 sweep
     (``benchmarks/bench_logits_sweep.py``): 64-token tiles, two pipeline stages, and about
     512 programs or more, each taking at most 16 tiles of its request's context."""
@@ -259,7 +259,7 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
     if out.numel() == 0:
         return out
     if config is None:
-        config = paged_logits_config(batch, next_n, num_heads, max_context_len, q_fp8.device)
+        config = paged_logits_config(batch, next_n, num_heads, max_context_len)
     if config.tile < 16 or config.tile & (config.tile - 1) or config.tiles_per_program < 1:
         raise ValueError(f"dsa.paged_mqa_logits: bad Triton launch config {config}")
     values, scales = kcache_views(kv_cache)
