@@ -9,9 +9,9 @@ huge values) past each row's length, as DeepGEMM leaves them. Every variant of
 with ``triton.testing.do_bench`` (median, µs, eager launches: includes host launch cost when
 it exceeds the device time); the baseline is ``torch.topk`` on the logits with invalid
 columns set to -inf. Then ``torch.ops.dsa.topk_indices`` itself (the default variant
-behind the dispatcher), and the ``GRAPHED`` variants (radix default, sampled threshold) and
-the baseline replayed from a CUDA graph (``do_bench_cudagraph``): the decode step runs that
-way, and those are the numbers that decide the default method.
+behind the dispatcher), and the ``GRAPHED`` variants and the baseline replayed from a CUDA
+graph (``do_bench_cudagraph``): the decode step runs that way, and those are the numbers
+that decide the defaults.
 """
 
 from __future__ import annotations
@@ -39,31 +39,24 @@ SHAPES = [(1, 1, 4096), (1, 1, 65536), (8, 1, 32768), (32, 1, 32768), (64, 1, 65
 JUNK = (float("nan"), float("inf"), -float("inf"), 3.0e38, 1.0e30)
 
 
-def _parts_times(factor: float, **extra) -> Callable[[int, int], dict]:
-    def kwargs(rows: int, n: int) -> dict:
-        limit = 16 if extra.get("method") == "sample" else 64
-        return dict(parts=max(1, int(choose_parts(rows, n, max_parts=limit) * factor)),
-                    **extra)
-    return kwargs
+def _parts_times(factor: float) -> Callable[[int, int], dict]:
+    return lambda rows, n: dict(parts=max(1, int(choose_parts(rows, n) * factor)))
 
 
 # name -> (rows, L) -> launch_topk keyword arguments
 VARIANTS: dict[str, Callable[[int, int], dict]] = {
     "default": lambda rows, n: {},
-    "hist6": lambda rows, n: dict(hist_bits=6),
     "parts/2": _parts_times(0.5),
-    "fused": lambda rows, n: dict(parts=1),
-    # sampled threshold: one pass over rows longer than the register-held candidates
-    "sample": lambda rows, n: dict(method="sample"),
-    "sample-m3": lambda rows, n: dict(method="sample", margin=3.0),
-    "sample-w4": lambda rows, n: dict(method="sample", select_warps=4, num_warps=4,
-                                      block=2048),
-    "sample-parts/2": _parts_times(0.5, method="sample"),
-    "sample-row16k": lambda rows, n: dict(method="sample", row_cols=16384),
+    "parts*2": _parts_times(2),
+    "groups512": lambda rows, n: dict(sample_groups=512),
+    "margin3": lambda rows, n: dict(margin=3.0),
+    "warps4": lambda rows, n: dict(num_warps=4, select_warps=4),
+    "row4k": lambda rows, n: dict(row_cols=4096),
+    "block8k": lambda rows, n: dict(block=8192),
 }
-QUICK = ("default", "sample")
+QUICK = ("default",)
 # variants also replayed from a CUDA graph (the decode step runs that way)
-GRAPHED = ("default", "sample")
+GRAPHED = ("default", "groups512")
 
 
 def make_case(rows: int, next_n: int, n: int, full: bool, data: str = "normal", seed: int = 0):

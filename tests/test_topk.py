@@ -16,7 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa.ops import FACES
-from dsa.ops.topk import METHODS, choose_parts, choose_select_cap, launch_topk
+from dsa.ops.topk import (
+    choose_parts,
+    choose_select_cap,
+    choose_select_warps,
+    launch_topk,
+)
 
 # the interpreter runs fp32 math in numpy, which warns where the GPU silently saturates
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
@@ -159,24 +164,9 @@ def test_cpu_face(case):
 @settings(max_examples=25)
 @given(case=topk_cases())
 def test_kernel_face(case):
-    """The CUDA face with its default launch (one fused program per row on these sizes)."""
+    """The CUDA face with its default launch (rows this short are read whole)."""
     logits, lengths, k, starts = case
     check_both(logits, lengths, k, starts, run_op("kernel", "topk_indices", *case))
-
-
-@pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
-@pytest.mark.interpret
-@settings(max_examples=25)
-@given(case=topk_cases(max_rows=3, max_cols=400),
-       parts=st.sampled_from([1, 2, 4]), block=st.sampled_from([32, 128]),
-       bits=st.sampled_from([(5, 5), (6, 8), (8, 6)]), cap=st.sampled_from([4, 64]))
-def test_launch_variants_interpreted(case, parts, block, bits, cap):
-    """Split passes, tiny blocks, narrow histograms and a candidate buffer small enough to
-    spill, on the Triton interpreter."""
-    logits, lengths, k, starts = case
-    out = launch_topk(logits, lengths, k, starts, parts=parts, block=block, hist_bits=bits[0],
-                      refine_bits=bits[1], cap=cap, window_block=64, finish_block=32)
-    check_both(logits, lengths, k, starts, out)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
@@ -185,14 +175,14 @@ def test_launch_variants_interpreted(case, parts, block, bits, cap):
 @given(case=topk_cases(max_rows=3, max_cols=400), parts=st.sampled_from([1, 2, 4]),
        block=st.sampled_from([32, 128]), cap=st.sampled_from([16, 64, 128, 512]),
        margin=st.sampled_from([-100.0, 0.0, 4.0, 1e9]))
-def test_sampled_threshold_interpreted(case, parts, block, cap, margin):
-    """The sampled-threshold method: rows read whole (valid <= cap), thresholded rows, and
-    the radix fallback when the threshold is too high (margin -100: fewer than k keys
-    above it) or too low (1e9, or cap 16: more candidates than cap)."""
+def test_launch_variants_interpreted(case, parts, block, cap, margin):
+    """Rows read whole (valid <= cap), thresholded rows, and the streamed search when the
+    threshold is too high (margin -100: fewer than k keys above it) or too low (1e9, or
+    cap 16: more candidates than cap), with split parts and tiny blocks."""
     logits, lengths, k, starts = case
-    out = launch_topk(logits, lengths, k, starts, method="sample", parts=parts, block=block,
-                      select_cap=cap, sample_groups=16, margin=margin, hist_bits=5,
-                      refine_bits=5, window_block=64, finish_block=32)
+    out = launch_topk(logits, lengths, k, starts, parts=parts, block=block, select_cap=cap,
+                      sample_groups=16, margin=margin, finish_block=32, num_warps=1,
+                      select_warps=1)
     check_both(logits, lengths, k, starts, out)
 
 
@@ -200,8 +190,8 @@ def test_sampled_threshold_interpreted(case, parts, block, cap, margin):
 @pytest.mark.interpret
 @pytest.mark.parametrize("margin", [-100.0, 4.0, 1e9])
 def test_sampled_threshold_paths(margin):
-    """Long rows through the pass: candidates kept (margin 4) or the fallback (threshold
-    too high / too low), with ties, -inf and a start offset."""
+    """Long rows through the candidates pass: kept (margin 4) or the streamed search
+    (threshold too high / too low), with ties, -inf and a start offset."""
     gen = torch.Generator().manual_seed(4)
     values = torch.cat([torch.randn(1, 1000, generator=gen),
                         torch.randint(-3, 4, (1, 1000), generator=gen).float(),
@@ -209,9 +199,8 @@ def test_sampled_threshold_paths(margin):
     starts, lengths = i32([0, 0, 37]), i32([1000, 900, 950])
     lo = starts.long()
     logits = make_logits(gen, values, lo, (lo + lengths.long()).clamp(max=1000))
-    out = launch_topk(logits, lengths, 40, starts, method="sample", parts=2, block=128,
-                      select_cap=256, sample_groups=64, margin=margin, window_block=64,
-                      finish_block=64)
+    out = launch_topk(logits, lengths, 40, starts, parts=2, block=128, select_cap=256,
+                      sample_groups=64, margin=margin, finish_block=64)
     check_both(logits, lengths, 40, starts, out)
 
 
@@ -221,6 +210,12 @@ def test_choose_select_cap():
     assert choose_select_cap(65536, 2048) == 4096
     assert choose_select_cap(100, 8) == 128
     assert choose_select_cap(1 << 20, 1 << 15) == 1 << 15
+
+
+def test_choose_select_warps():
+    assert choose_select_warps(256, 8192, 8192) == 4
+    assert choose_select_warps(64, 8192, 8192) == 8
+    assert choose_select_warps(256, 65536, 4096) == 8
 
 
 EDGE_CASES = {
@@ -272,6 +267,7 @@ def test_empty(face):
 def test_choose_parts():
     assert choose_parts(1, 4096) == 1
     assert choose_parts(1, 65536) == 16
+    assert choose_parts(1, 1 << 20) == 16
     assert choose_parts(64, 65536) == 4
     assert choose_parts(256, 8192) == 1
     assert choose_parts(0, 0) == 1
@@ -348,38 +344,33 @@ def test_gpu_shapes(rows, n, full):
     logits, lengths = gpu_case(rows, n, full=full, seed=rows + n)
     out = torch.ops.dsa.topk_indices(logits, lengths, 2048)
     check_topk(logits, lengths, 2048, None, out)
-    for method in METHODS:
-        check_topk(logits, lengths, 2048, None, launch_topk(logits, lengths, 2048,
-                                                            method=method))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("parts", [1, 2, 8, 32])
+@pytest.mark.parametrize("parts", [1, 2, 8, 16])
 @pytest.mark.parametrize("kind", ["normal", "positive"])
 def test_gpu_launch_variants(parts, kind):
     logits, lengths = gpu_case(64, 65536, seed=parts, kind=kind, next_n=2)
     starts = torch.randint(0, 1000, (64,), device="cuda", dtype=torch.int32)
     lengths = (lengths - starts.view_as(lengths)).clamp(min=0)  # junk stays past the end
-    for variant in (dict(parts=parts), dict(parts=parts, hist_bits=6, block=2048),
-                    dict(parts=parts, cap=256, num_warps=4),
-                    dict(method="sample", parts=min(parts, 16)),
-                    dict(method="sample", parts=min(parts, 16), margin=-100.0),
-                    dict(method="sample", parts=min(parts, 16), select_cap=2048)):
+    for variant in (dict(parts=parts), dict(parts=parts, block=2048, num_warps=4),
+                    dict(parts=parts, margin=-100.0), dict(parts=parts, select_cap=2048),
+                    dict(parts=parts, sample_groups=256, select_warps=4),
+                    dict(parts=parts, row_cols=65536, select_cap=32768)):
         out = launch_topk(logits, lengths, 2048, starts, **variant)
         check_topk(logits, lengths, 2048, starts, out)
 
 
 @pytest.mark.gpu
 def test_gpu_ties_and_spills():
-    """All-equal rows, few distinct values, -inf filling: exact counts on the GPU."""
+    """All-equal rows, few distinct values, -inf filling: exact counts on the GPU (the
+    first two rows take the streamed search)."""
     logits, lengths = gpu_case(8, 32768, seed=5)
     logits[0].fill_(2.0)
     logits[1].copy_(torch.randint(0, 3, (32768,), device="cuda").float())
     logits[2, ::2] = -float("inf")
     logits[3].copy_(torch.linspace(0, 1, 32768, device="cuda") ** 8)
-    for method in METHODS:
-        out = launch_topk(logits, lengths, 2048, method=method)
-        check_topk(logits, lengths, 2048, None, out)
+    check_topk(logits, lengths, 2048, None, launch_topk(logits, lengths, 2048))
 
 
 @pytest.mark.gpu
