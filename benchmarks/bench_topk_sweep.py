@@ -126,7 +126,7 @@ def main() -> None:
     names = list(QUICK if args.quick else VARIANTS)
     for spec in args.variant:
         name, _, pairs = spec.partition(":")
-        extra = {key: int(value) for key, value in
+        extra = {key: float(value) if "." in value else int(value) for key, value in
                  (pair.split("=") for pair in pairs.split(",") if pair)}
         VARIANTS[name] = lambda rows, n, kw=extra: dict(kw)
         names.append(name)
