@@ -39,6 +39,8 @@ class IndexerConfig:
         logits_backend: "auto" (DeepGEMM where it can run, else Triton), "triton", "deepgemm".
         decode_layout: "native" ([B, next_n] rows, DeepGEMM's layout for next_n <= 2), "flat"
             (one row per query token, any next_n), or "auto" (native iff next_n <= 2).
+        num_blocks: blocks of the indexer K cache. When set, decode lengths stop at the first
+            block-table entry outside the cache, so no key there is read or selected.
         workspace_rows: prefill K workspace rows; ``None``: ``40 * max_model_len``.
         max_logits_bytes: prefill logits budget per chunk (default 512 MiB).
     """
@@ -61,6 +63,7 @@ class IndexerConfig:
     ue8m0_scales: bool = False
     logits_backend: str = "auto"
     decode_layout: str = "auto"
+    num_blocks: int | None = None
     workspace_rows: int | None = None
     max_logits_bytes: int = 512 * 1024 * 1024
 
@@ -69,7 +72,7 @@ class IndexerConfig:
                      "head_dim", "topk", "block_size", "next_n", "compress_ratio", "dcp_world",
                      "dcp_interleave", "max_logits_bytes"):
             _positive(name, getattr(self, name))
-        for name in ("kernel_block_size", "kpool", "workspace_rows"):
+        for name in ("kernel_block_size", "kpool", "num_blocks", "workspace_rows"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if isinstance(self.dcp_rank, bool) or not isinstance(self.dcp_rank, int) or not (

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from dsa.config import IndexerConfig
 from dsa.meta.decode import DecodeMetadata
 from dsa.meta.prefill import PrefillMetadata
+from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor
 
 ops = torch.ops.dsa
 
@@ -98,6 +99,7 @@ class Indexer(nn.Module):
             meta: the step's metadata, shared by every layer.
         """
         cfg = self.cfg
+        self._check_inputs(hidden, q_latent, positions, meta)
         q, k, weights = self._project(hidden, q_latent, positions)
         ops.quantize_and_cache_k(k, self.kv_cache, meta.slot_mapping, ue8m0=cfg.ue8m0_scales)
         q_fp8, head_weights = ops.quantize_q(q, weights, ue8m0=cfg.ue8m0_scales)
@@ -106,8 +108,24 @@ class Indexer(nn.Module):
         else:
             indices = self._prefill_topk(q_fp8, head_weights, meta)
         slots = ops.indices_to_slots(indices, meta.request_block_table, meta.token_requests,
-                                     cfg.block_size)
+                                     cfg.block_size, self.kv_cache.shape[0])
         return IndexerOutput(indices=indices, slots=slots)
+
+    def _check_inputs(self, hidden: Tensor, q_latent: Tensor, positions: Tensor,
+                      meta: DecodeMetadata | PrefillMetadata) -> None:
+        """Names the argument a bad call gets wrong (shapes, dtypes and devices only)."""
+        op = "Indexer.forward"
+        cache = self.kv_cache
+        for name, x, layer in (("hidden", hidden, self.wk), ("q_latent", q_latent, self.wq_b)):
+            check_tensor(op, name, x, dtype=layer.weight.dtype, ndim=2, like=cache)
+            check_size(op, name, x, 1, layer.in_features, f"the layer's {name} width")
+        check_tensor(op, "positions", positions, dtype=POSITION_DTYPES, ndim=1, like=cache)
+        if not isinstance(meta, DecodeMetadata | PrefillMetadata):
+            raise TypeError(f"dsa.{op}: `meta` must be DecodeMetadata or PrefillMetadata, got "
+                            f"{type(meta).__name__}")
+        tokens = meta.slot_mapping.shape[0]
+        for name, x in (("hidden", hidden), ("q_latent", q_latent), ("positions", positions)):
+            check_size(op, name, x, 0, tokens, "the metadata's tokens")
 
     def _project(self, hidden: Tensor, q_latent: Tensor, positions: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor]:
@@ -130,10 +148,12 @@ class Indexer(nn.Module):
         else:
             q_rows = q_fp8.view(rows, meta.next_n, cfg.num_heads, cfg.head_dim)
             w_rows = head_weights
-        logits = ops.paged_mqa_logits(
-            q_rows, self.kv_cache, w_rows, meta.context_lens, meta.block_table,
-            meta.max_context_len, backend=cfg.logits_backend, schedule=meta.schedule,
-        )
+        args = (q_rows, self.kv_cache, w_rows, meta.context_lens, meta.block_table,
+                meta.max_context_len)
+        if meta.logits_backend == "deepgemm":
+            logits = ops.paged_mqa_logits_deepgemm(*args, meta.schedule)
+        else:
+            logits = ops.paged_mqa_logits(*args)
         indices = ops.topk_indices(logits, meta.context_lens, cfg.topk)
         if meta.packed:
             indices = ops.unpack_decode_rows(
@@ -154,11 +174,12 @@ class Indexer(nn.Module):
                 k_fp8, k_scale = ops.gather_k(self.kv_cache, chunk.block_table,
                                               chunk.local_cu_seq_lens, chunk.num_local_rows)
             span = slice(chunk.token_start, chunk.token_end)
-            logits = ops.mqa_logits(
-                q_fp8[span], k_fp8, k_scale, head_weights[span], chunk.ks, chunk.ke,
-                chunk.max_seqlen_k, backend=cfg.logits_backend,
-            )
-            indices[span] = ops.topk_indices(logits, chunk.ke - chunk.ks, cfg.topk)
+            logits_op = (ops.mqa_logits_deepgemm if meta.logits_backend == "deepgemm"
+                         else ops.mqa_logits)
+            logits = logits_op(q_fp8[span], k_fp8, k_scale, head_weights[span], chunk.ks,
+                               chunk.ke, chunk.max_seqlen_k)
+            lens = (chunk.ke - chunk.ks).clamp(0, chunk.max_seqlen_k)
+            indices[span] = ops.topk_indices(logits, lens, cfg.topk)
         return indices
 
 

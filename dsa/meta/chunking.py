@@ -1,4 +1,4 @@
-"""Prefill chunking (SPEC §5): which requests and queries the indexer handles at once.
+"""Prefill chunking (design §5): which requests and queries the indexer handles at once.
 
 Requests are packed greedily, in order, while the chunk's gathered K fits the workspace
 (``sum(seq) <= workspace_rows``) and its fp32 logits fit the budget

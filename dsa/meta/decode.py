@@ -1,4 +1,4 @@
-"""Decode metadata, built on the device from the step's batch tensors (SPEC §4, §6, §7).
+"""Decode metadata, built on the device from the step's batch tensors (design §4, §6, §7).
 
 ``build_decode_metadata`` is made only of ``torch.ops.dsa.*`` calls and elementwise torch:
 no host sync, no data-dependent shapes, so it traces with ``torch.compile(fullgraph=True)``
@@ -14,7 +14,7 @@ from torch import Tensor
 
 from dsa.config import IndexerConfig
 from dsa.meta.batch import Batch, check_batch, indexer_table_and_slots
-from dsa.ops._deepgemm import deepgemm_paged_supported
+from dsa.ops.logits import paged_backend
 
 ops = torch.ops.dsa
 
@@ -39,6 +39,8 @@ class DecodeMetadata:
         token_requests: int32 ``[T]``, request of each token; ``B + k`` for padding tokens.
         slot_mapping: int64 ``[T]``, where each token's indexer K goes (-1: nowhere).
         kpool_slot_mapping: int64 ``[T]`` kpool tail slots, or ``None`` without a tail cache.
+        logits_backend: "deepgemm" or "triton", the paged-logits implementation chosen
+            once for the step (``cfg.logits_backend`` resolved for this device and shape).
         schedule: DeepGEMM schedule for ``context_lens`` when DeepGEMM computes the logits.
         max_context_len: static width of a logits row.
     """
@@ -53,6 +55,7 @@ class DecodeMetadata:
     token_requests: Tensor
     slot_mapping: Tensor
     kpool_slot_mapping: Tensor | None
+    logits_backend: str
     schedule: Tensor | None
     max_context_len: int
 
@@ -95,15 +98,20 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
     if cfg.dcp_world > 1:
         local_lens = ops.dcp_local_lens(global_lens, cfg.dcp_world, cfg.dcp_rank,
                                         cfg.dcp_interleave)
-    # A sequence past max_model_len must not make a kernel read past its block table or
-    # write past a logits row (DeepGEMM trusts its lengths).
+    # No length may reach past a logits row, past its block table or onto a block outside
+    # the cache (DeepGEMM trusts its lengths; top-k must never select such keys).
     width = max_context_len(cfg)
-    local_lens = local_lens.clamp(max=width)
+    num_blocks = cfg.num_blocks if cfg.num_blocks is not None else UNKNOWN_NUM_BLOCKS
+    local_lens = ops.cap_context_lens(local_lens, row_table, num_blocks, cfg.block_size, width)
 
+    backend = paged_backend(cfg.logits_backend, qsl.device, cfg.num_heads, cfg.head_dim,
+                            cfg.block_size, next_n)
     schedule = None
-    if cfg.logits_backend != "triton" and deepgemm_paged_supported(
-        qsl.device, cfg.num_heads, cfg.head_dim, cfg.block_size, next_n
-    ):
+    if backend == "deepgemm":
+        # DeepGEMM reads a row's first block even at length 0 (it takes lengths >= 1): keep
+        # that entry inside the cache; the others are read only below a capped length.
+        first = row_table[:, :1].clamp(0, num_blocks - 1)
+        row_table = torch.cat([first, row_table[:, 1:]], dim=1)
         schedule = ops.paged_mqa_schedule(local_lens, cfg.block_size)
 
     return DecodeMetadata(
@@ -117,9 +125,14 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
         token_requests=ops.decode_row_requests(qsl, num_tokens),
         slot_mapping=slot_mapping,
         kpool_slot_mapping=kpool_slots,
+        logits_backend=backend,
         schedule=schedule,
         max_context_len=width,
     )
+
+
+# Without ``cfg.num_blocks``, any non-negative block id counts as inside the cache.
+UNKNOWN_NUM_BLOCKS = 2**31 - 1
 
 
 def max_context_len(cfg: IndexerConfig) -> int:

@@ -1,4 +1,4 @@
-"""Prefill metadata: chunking on the host, per-chunk bounds on the device (SPEC §5).
+"""Prefill metadata: chunking on the host, per-chunk bounds on the device (design §5).
 
 Prefill runs outside decode graphs, so chunking reads host copies of the lengths; every
 tensor of a chunk is still built by ``torch.ops.dsa.*`` on the batch's device.
@@ -16,6 +16,7 @@ from dsa.config import IndexerConfig
 from dsa.meta.batch import Batch, check_batch, indexer_table_and_slots
 from dsa.meta.chunking import split_prefill_chunks
 from dsa.ops.dcp import local_share
+from dsa.ops.logits import ragged_backend
 
 ops = torch.ops.dsa
 
@@ -66,12 +67,14 @@ class PrefillMetadata:
         slot_mapping: int64 ``[T]`` indexer K-cache slot of each token (-1: nowhere).
         request_block_table: int32 ``[B, W']`` the indexer block table per request.
         token_requests: int32 ``[T]`` request of each token (``B + k`` for padding tokens).
+        logits_backend: "deepgemm" or "triton", the ragged-logits implementation.
     """
 
     chunks: tuple[PrefillChunk, ...]
     slot_mapping: Tensor
     request_block_table: Tensor
     token_requests: Tensor
+    logits_backend: str
 
 
 def build_prefill_metadata(
@@ -147,6 +150,8 @@ def build_prefill_metadata(
         slot_mapping=slot_mapping,
         request_block_table=request_table,
         token_requests=ops.decode_row_requests(batch.query_start_loc, batch.num_tokens),
+        logits_backend=ragged_backend(cfg.logits_backend, batch.seq_lens.device, cfg.num_heads,
+                                      cfg.head_dim),
     )
 
 

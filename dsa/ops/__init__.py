@@ -1,7 +1,14 @@
 """``torch.ops.dsa.*``: every metadata step and compute leaf of the DSA indexer.
 
-Importing this package registers the ops. Each module holds a family of ops with their
-three faces (CPU torch, CUDA Triton/DeepGEMM, fake); ``FACES`` maps op names to them.
+Importing this package registers the ops; ``FACES`` maps op names to their three faces
+(CPU torch, CUDA Triton/DeepGEMM, fake). One module or folder per family:
+
+- ``decode_meta``, ``prefill_meta``, ``dcp``, ``layout``, ``write_slots``: metadata;
+- ``quant``, ``kcache``: fp8 quantisation, the paged K cache (write, gather);
+- ``logits/``: MQA logits (paged, ragged, DeepGEMM schedule);
+- ``topk/``: top-k selection and the index-to-slot transform.
+
+Adding an op: see "Adding an op" in ``docs/design.md``.
 """
 
 from dsa.ops import (
@@ -12,9 +19,8 @@ from dsa.ops import (
     logits,
     prefill_meta,
     quant,
-    slot_mapping,
-    slots,
     topk,
+    write_slots,
 )
 from dsa.ops._registry import FACES
 
@@ -27,7 +33,6 @@ __all__ = [
     "logits",
     "prefill_meta",
     "quant",
-    "slot_mapping",
-    "slots",
     "topk",
+    "write_slots",
 ]

@@ -21,14 +21,19 @@ def token_requests(query_start_loc: Tensor, num_tokens: int) -> Tensor:
     return req.clamp_(0, num_reqs)
 
 
+def token_offsets(query_start_loc: Tensor, num_tokens: int) -> tuple[Tensor, Tensor]:
+    """(int64 request of each token, ``num_reqs`` for padding tokens; int64 ``t - end`` of
+    the token's request, so -1 for a request's last token and 0 for padding tokens)."""
+    num_reqs = query_start_loc.numel() - 1
+    req = token_requests(query_start_loc, num_tokens).long()
+    end = query_start_loc.long()[(req + 1).clamp(max=num_reqs)]
+    t = torch.arange(num_tokens, device=query_start_loc.device)
+    return req, torch.where(req < num_reqs, t - end, 0)
+
+
 def search_steps(num_reqs: int) -> int:
     """Binary-search steps that resolve any token among ``num_reqs + 1`` candidates."""
     return max(num_reqs, 0).bit_length()
-
-
-def block_for(n: int, cap: int = 1024) -> int:
-    """Power-of-two Triton block covering ``n`` elements, at most ``cap``."""
-    return min(cap, triton.next_power_of_2(max(n, 1)))
 
 
 @triton.jit
@@ -43,3 +48,12 @@ def request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS: tl.constexpr):
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
     return lo
+
+
+@triton.jit
+def token_offset(qsl_ptr, t, in_range, num_reqs, SEARCH_STEPS: tl.constexpr):
+    """For tokens ``t``: (request, whether the token is real, ``t - end`` of its request)."""
+    req = request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS)
+    real = in_range & (req < num_reqs)
+    end = tl.load(qsl_ptr + req + 1, mask=real, other=0)
+    return req, real, t - end

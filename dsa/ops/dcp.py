@@ -1,6 +1,6 @@
 """Decode context parallelism: this rank's share of a sharded length.
 
-SPEC §6. The K cache of a request is dealt out over ``world`` ranks in runs of
+design §6. The K cache of a request is dealt out over ``world`` ranks in runs of
 ``interleave`` entries; rank ``k`` owns entry ``c`` iff ``(c // interleave) % world == k``.
 Its share of the first ``n`` entries is::
 
@@ -20,8 +20,8 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, check_dcp, check_tensor
-from dsa.ops._registry import register
-from dsa.ops._tokens import block_for
+from dsa.ops._launch import launch_1d
+from dsa.ops._registry import dsa_op
 
 
 def local_share(n: Tensor, world: int, rank: int, interleave: int) -> Tensor:
@@ -41,6 +41,7 @@ def local_share_tl(n, world, rank, interleave):
     return base + tl.minimum(tl.maximum(rest - rank * interleave, 0), interleave)
 
 
+@dsa_op("dcp_local_lens")
 def _dcp_local_lens_out(lens: Tensor, world: int, rank: int, interleave: int) -> Tensor:
     op = "dcp_local_lens"
     check_tensor(op, "lens", lens, dtype=INDEX_DTYPES)
@@ -48,6 +49,7 @@ def _dcp_local_lens_out(lens: Tensor, world: int, rank: int, interleave: int) ->
     return lens.new_empty(lens.shape, dtype=torch.int32)
 
 
+@_dcp_local_lens_out.cpu
 def _dcp_local_lens_cpu(lens: Tensor, world: int, rank: int, interleave: int) -> Tensor:
     out = _dcp_local_lens_out(lens, world, rank, interleave)
     return out.copy_(local_share(lens, world, rank, interleave))
@@ -62,20 +64,9 @@ def _dcp_local_lens_kernel(lens_ptr, out_ptr, numel, world, rank, interleave,
     tl.store(out_ptr + i, local_share_tl(n, world, rank, interleave), mask=in_range)
 
 
+@_dcp_local_lens_out.cuda
 def _dcp_local_lens_cuda(lens: Tensor, world: int, rank: int, interleave: int) -> Tensor:
     out = _dcp_local_lens_out(lens, world, rank, interleave)
-    numel = out.numel()
-    if numel:
-        block = block_for(numel)
-        _dcp_local_lens_kernel[(triton.cdiv(numel, block),)](
-            lens.contiguous(), out, numel, world, rank, interleave, BLOCK=block
-        )
+    launch_1d(_dcp_local_lens_kernel, out.numel(), lens.contiguous(), out, out.numel(), world,
+              rank, interleave)
     return out
-
-
-dcp_local_lens = register(
-    "dcp_local_lens",
-    cpu=_dcp_local_lens_cpu,
-    cuda=_dcp_local_lens_cuda,
-    fake=_dcp_local_lens_out,
-)

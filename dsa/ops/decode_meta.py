@@ -1,6 +1,6 @@
 """Decode metadata: per-token context lengths, expanded block tables, row -> request ids.
 
-SPEC §4. For the j-th query token of decode request r (decode_len tokens this step)::
+design §4. For the j-th query token of decode request r (decode_len tokens this step)::
 
     len(r, j) = max(seq_lens[r] - decode_len[r] + j + 1, 0)
 
@@ -9,6 +9,11 @@ slot j has length ``max(seq_lens[b] - next_n + 1 + j, 0)``.
 
 All outputs have the static capacity given as an int; rows past the real tokens are
 defined (length 0, block-table row 0, request id ``num_reqs + k``).
+
+``cap_context_lens`` keeps every row inside its block table and the cache: a row's length
+is cut at its first block-table column whose entry is outside ``[0, num_blocks)`` (or past
+the table's width) and at the logits width, so no kernel reads, and no top-k selects, a
+key on an invalid block.
 """
 
 from __future__ import annotations
@@ -26,12 +31,14 @@ from dsa.ops._checks import (
     check_seq_lens,
     check_tensor,
 )
-from dsa.ops._registry import register
-from dsa.ops._tokens import block_for, request_of, search_steps, token_requests
+from dsa.ops._launch import block_for, launch_1d
+from dsa.ops._registry import dsa_op
+from dsa.ops._tokens import request_of, search_steps, token_offset, token_offsets, token_requests
 
 # --- decode_token_lens -------------------------------------------------------------------
 
 
+@dsa_op("decode_token_lens")
 def _decode_token_lens_out(query_start_loc: Tensor, seq_lens: Tensor, num_tokens: int) -> Tensor:
     op = "decode_token_lens"
     num_reqs = check_query_start_loc(op, query_start_loc)
@@ -40,16 +47,13 @@ def _decode_token_lens_out(query_start_loc: Tensor, seq_lens: Tensor, num_tokens
     return query_start_loc.new_empty(num_tokens, dtype=torch.int32)
 
 
+@_decode_token_lens_out.cpu
 def _decode_token_lens_cpu(query_start_loc: Tensor, seq_lens: Tensor, num_tokens: int) -> Tensor:
     out = _decode_token_lens_out(query_start_loc, seq_lens, num_tokens)
     num_reqs = seq_lens.numel()
-    req = token_requests(query_start_loc, num_tokens)
-    qsl = query_start_loc.long()
+    req, back = token_offsets(query_start_loc, num_tokens)
     seq = torch.cat([seq_lens.long(), seq_lens.new_zeros(1, dtype=torch.long)])
-    start = qsl[req]
-    decode_len = qsl[(req + 1).clamp_(max=num_reqs)] - start
-    j = torch.arange(num_tokens, device=out.device) - start
-    lens = (seq[req] - decode_len + j + 1).clamp_(min=0)
+    lens = (seq[req] + back + 1).clamp_(min=0)
     return out.copy_(torch.where(req < num_reqs, lens, 0))
 
 
@@ -58,38 +62,25 @@ def _decode_token_lens_kernel(qsl_ptr, seq_lens_ptr, out_ptr, num_tokens, num_re
                               SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = t < num_tokens
-    req = request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS)
-    real = in_range & (req < num_reqs)
-    start = tl.load(qsl_ptr + req, mask=real, other=0)
-    end = tl.load(qsl_ptr + req + 1, mask=real, other=0)
+    req, real, back = token_offset(qsl_ptr, t, in_range, num_reqs, SEARCH_STEPS)
     seq = tl.load(seq_lens_ptr + req, mask=real, other=0)
-    lens = tl.maximum(seq - (end - start) + (t - start) + 1, 0)
+    lens = tl.maximum(seq + back + 1, 0)
     tl.store(out_ptr + t, tl.where(real, lens, 0), mask=in_range)
 
 
+@_decode_token_lens_out.cuda
 def _decode_token_lens_cuda(query_start_loc: Tensor, seq_lens: Tensor, num_tokens: int) -> Tensor:
     out = _decode_token_lens_out(query_start_loc, seq_lens, num_tokens)
-    if num_tokens:
-        num_reqs = seq_lens.numel()
-        block = block_for(num_tokens)
-        _decode_token_lens_kernel[(triton.cdiv(num_tokens, block),)](
-            query_start_loc, seq_lens, out, num_tokens, num_reqs,
-            SEARCH_STEPS=search_steps(num_reqs), BLOCK=block,
-        )
+    num_reqs = seq_lens.numel()
+    launch_1d(_decode_token_lens_kernel, num_tokens, query_start_loc, seq_lens, out, num_tokens,
+              num_reqs, SEARCH_STEPS=search_steps(num_reqs))
     return out
-
-
-decode_token_lens = register(
-    "decode_token_lens",
-    cpu=_decode_token_lens_cpu,
-    cuda=_decode_token_lens_cuda,
-    fake=_decode_token_lens_out,
-)
 
 
 # --- native_decode_lens ------------------------------------------------------------------
 
 
+@dsa_op("native_decode_lens")
 def _native_decode_lens_out(seq_lens: Tensor, next_n: int) -> Tensor:
     op = "native_decode_lens"
     check_tensor(op, "seq_lens", seq_lens, dtype=INDEX_DTYPES, ndim=1, contiguous=True)
@@ -97,6 +88,7 @@ def _native_decode_lens_out(seq_lens: Tensor, next_n: int) -> Tensor:
     return seq_lens.new_empty((seq_lens.numel(), next_n), dtype=torch.int32)
 
 
+@_native_decode_lens_out.cpu
 def _native_decode_lens_cpu(seq_lens: Tensor, next_n: int) -> Tensor:
     out = _native_decode_lens_out(seq_lens, next_n)
     j = torch.arange(next_n, device=seq_lens.device, dtype=torch.long)
@@ -113,28 +105,17 @@ def _native_decode_lens_kernel(seq_lens_ptr, out_ptr, num_slots, next_n, BLOCK: 
     tl.store(out_ptr + slot, lens, mask=in_range)
 
 
+@_native_decode_lens_out.cuda
 def _native_decode_lens_cuda(seq_lens: Tensor, next_n: int) -> Tensor:
     out = _native_decode_lens_out(seq_lens, next_n)
-    num_slots = out.numel()
-    if num_slots:
-        block = block_for(num_slots)
-        _native_decode_lens_kernel[(triton.cdiv(num_slots, block),)](
-            seq_lens, out, num_slots, next_n, BLOCK=block
-        )
+    launch_1d(_native_decode_lens_kernel, out.numel(), seq_lens, out, out.numel(), next_n)
     return out
-
-
-native_decode_lens = register(
-    "native_decode_lens",
-    cpu=_native_decode_lens_cpu,
-    cuda=_native_decode_lens_cuda,
-    fake=_native_decode_lens_out,
-)
 
 
 # --- expand_block_table ------------------------------------------------------------------
 
 
+@dsa_op("expand_block_table")
 def _expand_block_table_out(query_start_loc: Tensor, block_table: Tensor,
                             num_tokens: int) -> Tensor:
     op = "expand_block_table"
@@ -144,6 +125,7 @@ def _expand_block_table_out(query_start_loc: Tensor, block_table: Tensor,
     return block_table.new_empty((num_tokens, block_table.shape[1]), dtype=torch.int32)
 
 
+@_expand_block_table_out.cpu
 def _expand_block_table_cpu(query_start_loc: Tensor, block_table: Tensor,
                             num_tokens: int) -> Tensor:
     out = _expand_block_table_out(query_start_loc, block_table, num_tokens)
@@ -167,6 +149,7 @@ def _expand_block_table_kernel(qsl_ptr, block_table_ptr, table_stride, out_ptr, 
     tl.store(dst, row, mask=in_range[:, None] & col_ok)
 
 
+@_expand_block_table_out.cuda
 def _expand_block_table_cuda(query_start_loc: Tensor, block_table: Tensor,
                              num_tokens: int) -> Tensor:
     out = _expand_block_table_out(query_start_loc, block_table, num_tokens)
@@ -183,17 +166,10 @@ def _expand_block_table_cuda(query_start_loc: Tensor, block_table: Tensor,
     return out
 
 
-expand_block_table = register(
-    "expand_block_table",
-    cpu=_expand_block_table_cpu,
-    cuda=_expand_block_table_cuda,
-    fake=_expand_block_table_out,
-)
-
-
 # --- decode_row_requests -----------------------------------------------------------------
 
 
+@dsa_op("decode_row_requests")
 def _decode_row_requests_out(query_start_loc: Tensor, num_tokens: int) -> Tensor:
     op = "decode_row_requests"
     check_query_start_loc(op, query_start_loc)
@@ -201,6 +177,7 @@ def _decode_row_requests_out(query_start_loc: Tensor, num_tokens: int) -> Tensor
     return query_start_loc.new_empty(num_tokens, dtype=torch.int32)
 
 
+@_decode_row_requests_out.cpu
 def _decode_row_requests_cpu(query_start_loc: Tensor, num_tokens: int) -> Tensor:
     out = _decode_row_requests_out(query_start_loc, num_tokens)
     num_reqs = query_start_loc.numel() - 1
@@ -221,21 +198,78 @@ def _decode_row_requests_kernel(qsl_ptr, out_ptr, num_tokens, num_reqs,
     tl.store(out_ptr + t, rows, mask=in_range)
 
 
+@_decode_row_requests_out.cuda
 def _decode_row_requests_cuda(query_start_loc: Tensor, num_tokens: int) -> Tensor:
     out = _decode_row_requests_out(query_start_loc, num_tokens)
-    if num_tokens:
-        num_reqs = query_start_loc.numel() - 1
-        block = block_for(num_tokens)
-        _decode_row_requests_kernel[(triton.cdiv(num_tokens, block),)](
-            query_start_loc, out, num_tokens, num_reqs,
-            SEARCH_STEPS=search_steps(num_reqs), BLOCK=block,
-        )
+    num_reqs = query_start_loc.numel() - 1
+    launch_1d(_decode_row_requests_kernel, num_tokens, query_start_loc, out, num_tokens,
+              num_reqs, SEARCH_STEPS=search_steps(num_reqs))
     return out
 
 
-decode_row_requests = register(
-    "decode_row_requests",
-    cpu=_decode_row_requests_cpu,
-    cuda=_decode_row_requests_cuda,
-    fake=_decode_row_requests_out,
-)
+# --- cap_context_lens --------------------------------------------------------------------
+
+
+@dsa_op("cap_context_lens")
+def _cap_context_lens_out(context_lens: Tensor, block_table: Tensor, num_blocks: int,
+                          block_size: int, max_context_len: int) -> Tensor:
+    op = "cap_context_lens"
+    check_tensor(op, "context_lens", context_lens, dtype=INDEX_DTYPES, ndim=2, contiguous=True)
+    check_block_table(op, block_table, context_lens)
+    if block_table.shape[0] != context_lens.shape[0]:
+        raise ValueError(f"dsa.{op}: `block_table` must have one row per row of "
+                         f"`context_lens` ({context_lens.shape[0]}), got shape "
+                         f"{tuple(block_table.shape)}")
+    check_int(op, "num_blocks", num_blocks, low=0)
+    check_int(op, "block_size", block_size, low=1)
+    check_int(op, "max_context_len", max_context_len, low=0)
+    return torch.empty_like(context_lens)
+
+
+@_cap_context_lens_out.cpu
+def _cap_context_lens_cpu(context_lens: Tensor, block_table: Tensor, num_blocks: int,
+                          block_size: int, max_context_len: int) -> Tensor:
+    out = _cap_context_lens_out(context_lens, block_table, num_blocks, block_size,
+                                max_context_len)
+    width = block_table.shape[1]
+    outside = (block_table < 0) | (block_table >= num_blocks)
+    first = torch.where(outside.any(dim=1), outside.int().argmax(dim=1), width)
+    cap = (first.long() * block_size).clamp(max=max_context_len)
+    return out.copy_(torch.minimum(context_lens.long().clamp(min=0), cap[:, None]))
+
+
+@triton.jit(do_not_specialize=["table_stride", "width", "num_blocks", "max_context_len"])
+def _cap_context_lens_kernel(lens_ptr, table_ptr, table_stride, out_ptr, width, num_blocks,
+                             max_context_len, N: tl.constexpr, NP: tl.constexpr,
+                             BS: tl.constexpr, BLOCK_W: tl.constexpr):
+    row = tl.program_id(0)
+    j = tl.arange(0, NP)
+    lens = tl.load(lens_ptr + row * N + j, mask=j < N, other=0)
+    lens = tl.minimum(tl.maximum(lens, 0), max_context_len)
+    span = tl.cdiv(tl.max(lens, axis=0), BS)
+    needed = tl.minimum(span, width)
+    first = needed
+    cols = tl.arange(0, BLOCK_W)
+    for c in range(0, needed, BLOCK_W):
+        col = c + cols
+        inside = col < needed
+        entry = tl.load(table_ptr + row.to(tl.int64) * table_stride + col, mask=inside, other=0)
+        outside = inside & ((entry < 0) | (entry >= num_blocks))
+        first = tl.minimum(first, tl.min(tl.where(outside, col, needed), axis=0))
+    cap = tl.where(first < span, first * BS, max_context_len)
+    tl.store(out_ptr + row * N + j, tl.minimum(lens, cap), mask=j < N)
+
+
+@_cap_context_lens_out.cuda
+def _cap_context_lens_cuda(context_lens: Tensor, block_table: Tensor, num_blocks: int,
+                           block_size: int, max_context_len: int) -> Tensor:
+    out = _cap_context_lens_out(context_lens, block_table, num_blocks, block_size,
+                                max_context_len)
+    rows, next_n = context_lens.shape
+    if out.numel():
+        _cap_context_lens_kernel[(rows,)](
+            context_lens, block_table, block_table.stride(0), out, block_table.shape[1],
+            num_blocks, max_context_len, N=next_n, NP=triton.next_power_of_2(next_n),
+            BS=block_size, BLOCK_W=block_for(block_table.shape[1], cap=256),
+        )
+    return out

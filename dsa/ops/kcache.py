@@ -1,4 +1,4 @@
-"""The paged fp8 indexer K cache (SPEC §2): its layout, the write, and the prefill gather.
+"""The paged fp8 indexer K cache (design §2): its layout, the write, and the prefill gather.
 
 ``kv_cache`` is ``uint8[num_blocks, block_size, 1, D + 4]`` (the view DeepGEMM takes), but a
 block is not interleaved per token: it holds ``block_size * D`` fp8 e4m3 value bytes
@@ -18,9 +18,15 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, check_block_table, check_int, check_size, check_tensor
-from dsa.ops._registry import register
+from dsa.ops._registry import dsa_op
 from dsa.ops._tokens import request_of, search_steps, token_requests
-from dsa.ops.quant import FLOAT_DTYPES, fp8_e4m3_bits, fp8_scale_of, quantize_rows
+from dsa.ops.quant import (
+    FLOAT_DTYPES,
+    fp8_e4m3_bits,
+    fp8_scale_of,
+    nan_to_num,
+    quantize_rows,
+)
 
 SCALE_BYTES = 4
 
@@ -63,7 +69,9 @@ def padded_block_table(block_table: Tensor) -> Tensor:
 # --- quantize_and_cache_k ------------------------------------------------------------------
 
 
-def _check_cache_write(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, ue8m0: bool) -> None:
+@dsa_op("quantize_and_cache_k", mutates_args=("kv_cache",))
+def _check_cache_write(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                       ue8m0: bool = False) -> None:
     op = "quantize_and_cache_k"
     check_tensor(op, "k", k, dtype=FLOAT_DTYPES, ndim=2)
     _, _, head_dim = check_kv_cache(op, kv_cache, like=k)
@@ -74,6 +82,7 @@ def _check_cache_write(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, ue8m0:
         raise TypeError(f"dsa.{op}: `ue8m0` must be a bool, got {type(ue8m0).__name__}")
 
 
+@_check_cache_write.cpu
 def _quantize_and_cache_k_cpu(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                               ue8m0: bool = False) -> None:
     _check_cache_write(k, kv_cache, slot_mapping, ue8m0)
@@ -109,8 +118,8 @@ def _cache_write_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, value_ptr, scale_
     slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1)
     ok = (slot >= 0) & (slot < num_slots)
     mask = ok[:, None] & (d < D)[None, :]
-    x = tl.load(k_ptr + tok.to(tl.int64)[:, None] * k_stride0 + d[None, :] * k_stride1,
-                mask=mask, other=0.0).to(tl.float32)
+    x = nan_to_num(tl.load(k_ptr + tok.to(tl.int64)[:, None] * k_stride0
+                               + d[None, :] * k_stride1, mask=mask, other=0.0).to(tl.float32))
     scale = fp8_scale_of(tl.max(tl.abs(x), axis=1), UE8M0)
     slot = tl.where(ok, slot, 0)
     blk = slot // BS
@@ -121,6 +130,7 @@ def _cache_write_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, value_ptr, scale_
     tl.store(scale_ptr + blk * SCALE_STRIDE + off, scale, mask=ok)
 
 
+@_check_cache_write.cuda
 def _quantize_and_cache_k_cuda(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                                ue8m0: bool = False) -> None:
     _check_cache_write(k, kv_cache, slot_mapping, ue8m0)
@@ -138,23 +148,10 @@ def _quantize_and_cache_k_cuda(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor
     )
 
 
-def _quantize_and_cache_k_fake(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
-                               ue8m0: bool = False) -> None:
-    _check_cache_write(k, kv_cache, slot_mapping, ue8m0)
-
-
-quantize_and_cache_k = register(
-    "quantize_and_cache_k",
-    cpu=_quantize_and_cache_k_cpu,
-    cuda=_quantize_and_cache_k_cuda,
-    fake=_quantize_and_cache_k_fake,
-    mutates_args=("kv_cache",),
-)
-
-
 # --- gather_k ------------------------------------------------------------------------------
 
 
+@dsa_op("gather_k")
 def _gather_k_out(kv_cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor,
                   num_rows: int) -> tuple[Tensor, Tensor]:
     op = "gather_k"
@@ -173,6 +170,7 @@ def _gather_k_out(kv_cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor,
     return k_fp8, k_scale
 
 
+@_gather_k_out.cpu
 def _gather_k_cpu(kv_cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor,
                   num_rows: int) -> tuple[Tensor, Tensor]:
     k_fp8, k_scale = _gather_k_out(kv_cache, block_table, cu_seq_lens, num_rows)
@@ -215,6 +213,7 @@ def _gather_k_kernel(value_ptr, scale_ptr, bt_ptr, bt_stride, cu_ptr, out_ptr, o
     tl.store(out_scale_ptr + rows, scale, mask=in_range)
 
 
+@_gather_k_out.cuda
 def _gather_k_cuda(kv_cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor,
                    num_rows: int) -> tuple[Tensor, Tensor]:
     k_fp8, k_scale = _gather_k_out(kv_cache, block_table, cu_seq_lens, num_rows)
@@ -231,6 +230,3 @@ def _gather_k_cuda(kv_cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor,
             D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, SEARCH_STEPS=search_steps(num_reqs),
         )
     return k_fp8, k_scale
-
-
-gather_k = register("gather_k", cpu=_gather_k_cpu, cuda=_gather_k_cuda, fake=_gather_k_out)

@@ -1,9 +1,9 @@
 """Layout changes of per-step tensors: block-table coarsening, native decode packing.
 
-- ``compress_block_table`` (SPEC §7): when the kernel block is ``factor`` times smaller
+- ``compress_block_table`` (design §7): when the kernel block is ``factor`` times smaller
   than the cache block, the indexer's table is ``block_table[:, ::factor] // factor``
   (negative entries stay -1).
-- ``pack_decode_rows`` / ``unpack_decode_rows`` (SPEC §4): the native decode layout
+- ``pack_decode_rows`` / ``unpack_decode_rows`` (design §4): the native decode layout
   ``[B, next_n, ...]`` right-aligns each request's tokens, so token i of a request with
   decode_len d sits in slot ``next_n - d + i`` (where ``native_decode_lens`` gives it its own
   length). Packing drops tokens whose slot would be negative and zero-fills the rest;
@@ -29,8 +29,9 @@ from dsa.ops._checks import (
     check_size,
     check_tensor,
 )
-from dsa.ops._registry import register
-from dsa.ops._tokens import block_for, request_of, search_steps, token_requests
+from dsa.ops._launch import block_for
+from dsa.ops._registry import dsa_op
+from dsa.ops._tokens import search_steps, token_offset, token_offsets
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -55,6 +56,7 @@ def _tile(rows: int, width: int) -> tuple[int, int]:
 # --- compress_block_table ----------------------------------------------------------------
 
 
+@dsa_op("compress_block_table")
 def _compress_block_table_out(block_table: Tensor, factor: int) -> Tensor:
     op = "compress_block_table"
     check_block_table(op, block_table)
@@ -63,6 +65,7 @@ def _compress_block_table_out(block_table: Tensor, factor: int) -> Tensor:
     return block_table.new_empty((block_table.shape[0], width), dtype=torch.int32)
 
 
+@_compress_block_table_out.cpu
 def _compress_block_table_cpu(block_table: Tensor, factor: int) -> Tensor:
     out = _compress_block_table_out(block_table, factor)
     kept = block_table[:, ::factor]
@@ -81,6 +84,7 @@ def _compress_block_table_kernel(block_table_ptr, table_stride, out_ptr, num_row
     tl.store(out_ptr + row.to(tl.int64)[:, None] * width + col[None, :], coarse, mask=mask)
 
 
+@_compress_block_table_out.cuda
 def _compress_block_table_cuda(block_table: Tensor, factor: int) -> Tensor:
     out = _compress_block_table_out(block_table, factor)
     if out.numel():
@@ -94,17 +98,10 @@ def _compress_block_table_cuda(block_table: Tensor, factor: int) -> Tensor:
     return out
 
 
-compress_block_table = register(
-    "compress_block_table",
-    cpu=_compress_block_table_cpu,
-    cuda=_compress_block_table_cuda,
-    fake=_compress_block_table_out,
-)
-
-
 # --- pack_decode_rows --------------------------------------------------------------------
 
 
+@dsa_op("pack_decode_rows")
 def _pack_decode_rows_out(x: Tensor, query_start_loc: Tensor, next_n: int) -> Tensor:
     op = "pack_decode_rows"
     check_tensor(op, "x", x, contiguous=True)
@@ -117,6 +114,7 @@ def _pack_decode_rows_out(x: Tensor, query_start_loc: Tensor, next_n: int) -> Te
     return x.new_empty((num_reqs, next_n, *x.shape[1:]))
 
 
+@_pack_decode_rows_out.cpu
 def _pack_decode_rows_cpu(x: Tensor, query_start_loc: Tensor, next_n: int) -> Tensor:
     out = _pack_decode_rows_out(x, query_start_loc, next_n)
     num_tokens, width = x.shape[0], math.prod(x.shape[1:])
@@ -151,6 +149,7 @@ def _pack_decode_rows_kernel(x_ptr, qsl_ptr, out_ptr, num_slots, next_n, num_tok
     tl.store(dst_ptr, vals, mask=is_slot[:, None] & col_ok)
 
 
+@_pack_decode_rows_out.cuda
 def _pack_decode_rows_cuda(x: Tensor, query_start_loc: Tensor, next_n: int) -> Tensor:
     out = _pack_decode_rows_out(x, query_start_loc, next_n)
     num_slots, width = out.shape[0] * next_n, math.prod(x.shape[1:])
@@ -164,17 +163,10 @@ def _pack_decode_rows_cuda(x: Tensor, query_start_loc: Tensor, next_n: int) -> T
     return out
 
 
-pack_decode_rows = register(
-    "pack_decode_rows",
-    cpu=_pack_decode_rows_cpu,
-    cuda=_pack_decode_rows_cuda,
-    fake=_pack_decode_rows_out,
-)
-
-
 # --- unpack_decode_rows ------------------------------------------------------------------
 
 
+@dsa_op("unpack_decode_rows")
 def _unpack_decode_rows_out(y: Tensor, query_start_loc: Tensor, num_tokens: int,
                             fill: int = -1) -> Tensor:
     op = "unpack_decode_rows"
@@ -196,6 +188,7 @@ def _fill_bits(fill: int, dtype: torch.dtype, width: int, device: torch.device |
     return _as_bits(torch.full((1, width), fill, dtype=dtype, device=device))
 
 
+@_unpack_decode_rows_out.cpu
 def _unpack_decode_rows_cpu(y: Tensor, query_start_loc: Tensor, num_tokens: int,
                             fill: int = -1) -> Tensor:
     out = _unpack_decode_rows_out(y, query_start_loc, num_tokens, fill)
@@ -204,11 +197,8 @@ def _unpack_decode_rows_cpu(y: Tensor, query_start_loc: Tensor, num_tokens: int,
     # Tokens without a slot read an appended row of `fill`.
     rows = _as_bits(y).reshape(num_reqs * next_n, width)
     rows = torch.cat([rows, _fill_bits(fill, y.dtype, width, y.device)])
-    req = token_requests(query_start_loc, num_tokens).long()
-    qsl = query_start_loc.long()
-    start = qsl[req]
-    decode_len = qsl[(req + 1).clamp(max=num_reqs)] - start
-    slot = next_n - decode_len + torch.arange(num_tokens, device=y.device) - start
+    req, back = token_offsets(query_start_loc, num_tokens)
+    slot = next_n + back
     src = torch.where((req < num_reqs) & (slot >= 0), req * next_n + slot, num_reqs * next_n)
     _as_bits(out).view(num_tokens, width).copy_(rows[src])
     return out
@@ -221,11 +211,8 @@ def _unpack_decode_rows_kernel(y_ptr, qsl_ptr, out_ptr, num_tokens, num_reqs, ne
     t = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     col = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_range = t < num_tokens
-    req = request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS)
-    real = in_range & (req < num_reqs)
-    start = tl.load(qsl_ptr + req, mask=real, other=0)
-    end = tl.load(qsl_ptr + req + 1, mask=real, other=0)
-    slot = next_n - (end - start) + (t - start)
+    req, real, back = token_offset(qsl_ptr, t, in_range, num_reqs, SEARCH_STEPS)
+    slot = next_n + back
     has_slot = real & (slot >= 0)
     col_ok = (col < width)[None, :]
     src = (req.to(tl.int64) * next_n + slot)[:, None] * width + col[None, :]
@@ -234,6 +221,7 @@ def _unpack_decode_rows_kernel(y_ptr, qsl_ptr, out_ptr, num_tokens, num_reqs, ne
              mask=in_range[:, None] & col_ok)
 
 
+@_unpack_decode_rows_out.cuda
 def _unpack_decode_rows_cuda(y: Tensor, query_start_loc: Tensor, num_tokens: int,
                              fill: int = -1) -> Tensor:
     out = _unpack_decode_rows_out(y, query_start_loc, num_tokens, fill)
@@ -249,11 +237,3 @@ def _unpack_decode_rows_cuda(y: Tensor, query_start_loc: Tensor, num_tokens: int
             fill_bits, SEARCH_STEPS=search_steps(num_reqs), BLOCK_R=block_r, BLOCK_C=block_c,
         )
     return out
-
-
-unpack_decode_rows = register(
-    "unpack_decode_rows",
-    cpu=_unpack_decode_rows_cpu,
-    cuda=_unpack_decode_rows_cuda,
-    fake=_unpack_decode_rows_out,
-)

@@ -1,6 +1,6 @@
 """Prefill metadata: row bounds of one chunk of requests in the gathered K workspace.
 
-SPEC §5. A chunk is the requests ``[req_start, req_end)`` (n of them); their compressed K
+design §5. A chunk is the requests ``[req_start, req_end)`` (n of them); their compressed K
 (``seq_len // R`` rows each) is gathered back to back into a workspace. For the chunk's
 query tokens ``[query_begin, query_end)`` (counted from the chunk's first query token),
 the j-th query token of request r (query_len qlen, seq_len L) sees::
@@ -22,8 +22,9 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import check_dcp, check_int, check_query_start_loc, check_seq_lens
-from dsa.ops._registry import register
-from dsa.ops._tokens import block_for, request_of, search_steps
+from dsa.ops._launch import block_for
+from dsa.ops._registry import dsa_op
+from dsa.ops._tokens import request_of, search_steps, token_offset
 from dsa.ops.dcp import local_share, local_share_tl
 
 _OP = "prefill_chunk_bounds"
@@ -31,6 +32,7 @@ _OP = "prefill_chunk_bounds"
 ChunkBounds = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
+@dsa_op(_OP)
 def _prefill_chunk_bounds_out(
     query_start_loc: Tensor, seq_lens: Tensor, req_start: int, req_end: int,
     query_begin: int, query_end: int, num_rows: int, compress_ratio: int = 1,
@@ -52,6 +54,7 @@ def _prefill_chunk_bounds_out(
     return new(n + 1), new(n + 1), new(num_rows), new(q), new(q), new(q)
 
 
+@_prefill_chunk_bounds_out.cpu
 def _prefill_chunk_bounds_cpu(
     query_start_loc: Tensor, seq_lens: Tensor, req_start: int, req_end: int,
     query_begin: int, query_end: int, num_rows: int, compress_ratio: int = 1,
@@ -129,12 +132,9 @@ def _chunk_rows_kernel(
 
     is_query = i < num_queries
     u = tl.load(qsl_ptr) + query_begin + i
-    req = request_of(qsl_ptr, u, n, SEARCH_STEPS)
-    real = is_query & (req < n)
-    start = tl.load(qsl_ptr + req, mask=real, other=0)
-    end = tl.load(qsl_ptr + req + 1, mask=real, other=0)
+    req, real, back = token_offset(qsl_ptr, u, is_query, n, SEARCH_STEPS)
     seq = tl.load(seq_lens_ptr + req, mask=real, other=0)
-    glen = tl.maximum(seq - (end - start) + 1 + (u - start), 0) // ratio
+    glen = tl.maximum(seq + back + 1, 0) // ratio
     glen = tl.where(real, glen, 0)
     ks = tl.load(local_cu_ptr + req, mask=real, other=0)
     tl.store(ks_ptr + i, ks, mask=is_query)
@@ -142,6 +142,7 @@ def _chunk_rows_kernel(
     tl.store(global_lens_ptr + i, glen, mask=is_query)
 
 
+@_prefill_chunk_bounds_out.cuda
 def _prefill_chunk_bounds_cuda(
     query_start_loc: Tensor, seq_lens: Tensor, req_start: int, req_end: int,
     query_begin: int, query_end: int, num_rows: int, compress_ratio: int = 1,
@@ -167,11 +168,3 @@ def _prefill_chunk_bounds_cuda(
             SEARCH_STEPS=search_steps(n), BLOCK=block,
         )
     return outs
-
-
-prefill_chunk_bounds = register(
-    _OP,
-    cpu=_prefill_chunk_bounds_cpu,
-    cuda=_prefill_chunk_bounds_cuda,
-    fake=_prefill_chunk_bounds_out,
-)

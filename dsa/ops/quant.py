@@ -1,10 +1,15 @@
-"""fp8 e4m3 quantisation of the indexer's q and k (SPEC §2-§3), and ``dsa::quantize_q``.
+"""fp8 e4m3 quantisation of the indexer's q and k (design §2-§3), and ``dsa::quantize_q``.
 
 One row (a token's k, or one head of a token's q) shares one fp32 scale::
 
+    x     = nan_to_num(x)                    (NaN -> 0, ±inf -> ±fp32 max)
     amax  = max(max|x|, 1e-4)
-    scale = amax / 448                       (ue8m0: rounded up to a power of two)
+    scale = amax / 448                       (IEEE division; ue8m0: rounded up to 2**n)
     x_fp8 = fp8_e4m3(x / scale)              (round to nearest even, saturating at ±448)
+
+Non-finite inputs therefore behave the same on every face: NaN quantises to 0, and an
+infinity dominates its row like the largest finite value would (it becomes ±448, the
+row's finite values round towards 0); scales stay finite.
 
 The Triton helpers encode fp8 bytes with integer arithmetic (correctly rounded division,
 round-to-nearest-even by hand) so GPU, interpreter and torch agree byte for byte.
@@ -18,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import check_size, check_tensor
-from dsa.ops._registry import register
+from dsa.ops._registry import dsa_op
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
@@ -37,20 +42,31 @@ def _pow2_ceil(x: Tensor) -> Tensor:
 
 
 def fp8_scales(amax: Tensor, ue8m0: bool) -> Tensor:
-    """fp32 scales from fp32 row maxima of |x|."""
-    scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    """fp32 scales from fp32 row maxima of |x|.
+
+    The divisor is a tensor, not a Python number: on CUDA, torch turns division by a scalar
+    into a multiplication by its reciprocal, which is not correctly rounded.
+    """
+    scale = amax.clamp(min=AMAX_FLOOR) / torch.full_like(amax, FP8_MAX)
     return _pow2_ceil(scale) if ue8m0 else scale
 
 
 def quantize_rows(x: Tensor, ue8m0: bool) -> tuple[Tensor, Tensor]:
     """Quantises ``x`` along its last dimension: (fp8 values, fp32 scales ``x.shape[:-1]``)."""
-    xf = x.float()
+    xf = torch.nan_to_num(x.float(), nan=0.0)
     scale = fp8_scales(xf.abs().amax(dim=-1), ue8m0)
     values = (xf / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return values, scale
 
 
 # --- Triton helpers (shared with the K-cache write) ----------------------------------------
+
+
+@triton.jit
+def nan_to_num(x):
+    """fp32 ``x`` with NaN -> 0 and ±inf -> ±fp32 max (``torch.nan_to_num``'s defaults)."""
+    x = tl.where(x == x, x, 0.0)
+    return tl.minimum(tl.maximum(x, -3.4028234663852886e38), 3.4028234663852886e38)
 
 
 @triton.jit
@@ -88,6 +104,7 @@ def fp8_e4m3_bits(x):
 # --- quantize_q ----------------------------------------------------------------------------
 
 
+@dsa_op("quantize_q")
 def _quantize_q_out(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
     op = "quantize_q"
     check_tensor(op, "q", q, dtype=FLOAT_DTYPES, ndim=3, contiguous=True)
@@ -106,6 +123,7 @@ def _weight_scale(num_heads: int, head_dim: int) -> float:
     return num_heads**-0.5 * head_dim**-0.5
 
 
+@_quantize_q_out.cpu
 def _quantize_q_cpu(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
     q_fp8, head_weights = _quantize_q_out(q, weights, ue8m0)
     values, scale = quantize_rows(q, ue8m0)
@@ -123,7 +141,7 @@ def _quantize_q_kernel(q_ptr, w_ptr, w_stride0, w_stride1, out_ptr, hw_ptr, num_
     row_ok = rows < num_rows
     mask = row_ok[:, None] & (d < D)[None, :]
     offs = rows.to(tl.int64)[:, None] * D + d[None, :]
-    x = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = nan_to_num(tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32))
     scale = fp8_scale_of(tl.max(tl.abs(x), axis=1), UE8M0)
     tl.store(out_ptr + offs, fp8_e4m3_bits(tl.div_rn(x, scale[:, None])), mask=mask)
     tok = rows // H
@@ -132,6 +150,7 @@ def _quantize_q_kernel(q_ptr, w_ptr, w_stride0, w_stride1, out_ptr, hw_ptr, num_
     tl.store(hw_ptr + rows, w.to(tl.float32) * w_scale * scale, mask=row_ok)
 
 
+@_quantize_q_out.cuda
 def _quantize_q_cuda(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
     q_fp8, head_weights = _quantize_q_out(q, weights, ue8m0)
     num_tokens, num_heads, head_dim = q.shape
@@ -145,11 +164,3 @@ def _quantize_q_cuda(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[T
             H=num_heads, D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, UE8M0=ue8m0,
         )
     return q_fp8, head_weights
-
-
-quantize_q = register(
-    "quantize_q",
-    cpu=_quantize_q_cpu,
-    cuda=_quantize_q_cuda,
-    fake=_quantize_q_out,
-)

@@ -1,6 +1,6 @@
-"""Slot mappings: which paged-cache row each query token writes (int64, ``-1`` = none).
+"""Write slots: which paged-cache row each query token writes (int64, ``-1`` = none).
 
-SPEC §7.
+design §7.
 
 - ``compressed_slot_mapping`` (DeepSeek V4, ratio R): query token i of request r sits at
   ``pos = seq_len - query_len + i`` and writes compressed state ``cpos = pos // R`` only
@@ -30,12 +30,20 @@ from dsa.ops._checks import (
     check_seq_lens,
     check_tensor,
 )
-from dsa.ops._registry import register
-from dsa.ops._tokens import block_for, request_of, search_steps, token_requests
+from dsa.ops._launch import launch_1d
+from dsa.ops._registry import dsa_op
+from dsa.ops._tokens import (
+    request_of,
+    search_steps,
+    token_offset,
+    token_offsets,
+    token_requests,
+)
 
 # --- compressed_slot_mapping -------------------------------------------------------------
 
 
+@dsa_op("compressed_slot_mapping")
 def _compressed_slot_mapping_out(
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, num_tokens: int,
     block_size: int, compress_ratio: int, dcp_world: int, dcp_rank: int,
@@ -52,6 +60,7 @@ def _compressed_slot_mapping_out(
     return query_start_loc.new_empty(num_tokens, dtype=torch.int64)
 
 
+@_compressed_slot_mapping_out.cpu
 def _compressed_slot_mapping_cpu(
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, num_tokens: int,
     block_size: int, compress_ratio: int, dcp_world: int, dcp_rank: int,
@@ -61,13 +70,10 @@ def _compressed_slot_mapping_cpu(
         query_start_loc, seq_lens, block_table, num_tokens, block_size, compress_ratio,
         dcp_world, dcp_rank, dcp_interleave,
     )
-    num_reqs, width = block_table.shape
-    req = token_requests(query_start_loc, num_tokens).long()
-    qsl = query_start_loc.long()
-    start = qsl[req]
-    query_len = qsl[(req + 1).clamp(max=num_reqs)] - start
+    width = block_table.shape[1]
+    req, back = token_offsets(query_start_loc, num_tokens)
     seq = torch.cat([seq_lens.long(), seq_lens.new_zeros(1, dtype=torch.long)])[req]
-    pos = seq - query_len + torch.arange(num_tokens, device=out.device) - start
+    pos = seq + back
     cpos = pos.clamp(min=0) // compress_ratio
     blk = cpos // (block_size * dcp_world)
     v = cpos - blk * (block_size * dcp_world)
@@ -88,12 +94,9 @@ def _compressed_slot_mapping_kernel(
 ):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = t < num_tokens
-    req = request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS)
-    real = in_range & (req < num_reqs)
-    start = tl.load(qsl_ptr + req, mask=real, other=0)
-    end = tl.load(qsl_ptr + req + 1, mask=real, other=0)
+    req, real, back = token_offset(qsl_ptr, t, in_range, num_reqs, SEARCH_STEPS)
     seq = tl.load(seq_lens_ptr + req, mask=real, other=0)
-    pos = (seq - (end - start) + (t - start)).to(tl.int64)
+    pos = (seq + back).to(tl.int64)
     writes = real & (pos >= 0) & ((pos + 1) % ratio == 0)
     # Lanes with pos < 0 are masked off; clamping keeps every division non-negative.
     cpos = tl.maximum(pos, 0) // ratio
@@ -108,6 +111,7 @@ def _compressed_slot_mapping_kernel(
     tl.store(out_ptr + t, tl.where(ok, slot, -1), mask=in_range)
 
 
+@_compressed_slot_mapping_out.cuda
 def _compressed_slot_mapping_cuda(
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, num_tokens: int,
     block_size: int, compress_ratio: int, dcp_world: int, dcp_rank: int,
@@ -117,28 +121,18 @@ def _compressed_slot_mapping_cuda(
         query_start_loc, seq_lens, block_table, num_tokens, block_size, compress_ratio,
         dcp_world, dcp_rank, dcp_interleave,
     )
-    if num_tokens:
-        num_reqs, width = block_table.shape
-        block = block_for(num_tokens)
-        _compressed_slot_mapping_kernel[(triton.cdiv(num_tokens, block),)](
-            query_start_loc, seq_lens, block_table, block_table.stride(0), out, num_tokens,
-            num_reqs, width, block_size, compress_ratio, dcp_world, dcp_rank, dcp_interleave,
-            SEARCH_STEPS=search_steps(num_reqs), BLOCK=block,
-        )
+    num_reqs, width = block_table.shape
+    launch_1d(_compressed_slot_mapping_kernel, num_tokens, query_start_loc, seq_lens, block_table,
+              block_table.stride(0), out, num_tokens, num_reqs, width, block_size,
+              compress_ratio, dcp_world, dcp_rank, dcp_interleave,
+              SEARCH_STEPS=search_steps(num_reqs))
     return out
-
-
-compressed_slot_mapping = register(
-    "compressed_slot_mapping",
-    cpu=_compressed_slot_mapping_cpu,
-    cuda=_compressed_slot_mapping_cuda,
-    fake=_compressed_slot_mapping_out,
-)
 
 
 # --- kpool_tail_slot_mapping -------------------------------------------------------------
 
 
+@dsa_op("kpool_tail_slot_mapping")
 def _kpool_tail_slot_mapping_out(query_start_loc: Tensor, block_table: Tensor,
                                  positions: Tensor, kpool: int) -> Tensor:
     op = "kpool_tail_slot_mapping"
@@ -153,14 +147,15 @@ def _kpool_tail_slot_mapping_out(query_start_loc: Tensor, block_table: Tensor,
     return positions.new_empty(positions.shape, dtype=torch.int64)
 
 
+@_kpool_tail_slot_mapping_out.cpu
 def _kpool_tail_slot_mapping_cpu(query_start_loc: Tensor, block_table: Tensor,
                                  positions: Tensor, kpool: int) -> Tensor:
     out = _kpool_tail_slot_mapping_out(query_start_loc, block_table, positions, kpool)
     req = token_requests(query_start_loc, positions.numel())
     # Padding tokens (req == num_reqs) read the appended -1.
     entry = torch.nn.functional.pad(block_table[:, 0].long(), (0, 1), value=-1)[req]
-    slot = entry * kpool + positions.long() % kpool
-    return out.copy_(torch.where(entry >= 0, slot, -1))
+    pos = positions.long()
+    return out.copy_(torch.where((entry >= 0) & (pos >= 0), entry * kpool + pos % kpool, -1))
 
 
 @triton.jit
@@ -172,31 +167,17 @@ def _kpool_tail_slot_mapping_kernel(qsl_ptr, block_table_ptr, table_stride, posi
     req = request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS)
     real = in_range & (req < num_reqs)
     entry = tl.load(block_table_ptr + req.to(tl.int64) * table_stride, mask=real, other=-1)
-    pos = tl.load(positions_ptr + t, mask=real, other=0).to(tl.int64)
-    # Triton's % truncates toward zero: shift negative remainders into [0, kpool).
-    offset = pos % kpool
-    offset = tl.where(offset < 0, offset + kpool, offset)
-    slot = entry.to(tl.int64) * kpool + offset
-    tl.store(out_ptr + t, tl.where(real & (entry >= 0), slot, -1), mask=in_range)
+    pos = tl.load(positions_ptr + t, mask=real, other=-1).to(tl.int64)
+    slot = entry.to(tl.int64) * kpool + pos % kpool
+    tl.store(out_ptr + t, tl.where(real & (entry >= 0) & (pos >= 0), slot, -1), mask=in_range)
 
 
+@_kpool_tail_slot_mapping_out.cuda
 def _kpool_tail_slot_mapping_cuda(query_start_loc: Tensor, block_table: Tensor,
                                   positions: Tensor, kpool: int) -> Tensor:
     out = _kpool_tail_slot_mapping_out(query_start_loc, block_table, positions, kpool)
-    num_tokens = positions.numel()
-    if num_tokens:
-        num_reqs = block_table.shape[0]
-        block = block_for(num_tokens)
-        _kpool_tail_slot_mapping_kernel[(triton.cdiv(num_tokens, block),)](
-            query_start_loc, block_table, block_table.stride(0), positions, out, num_tokens,
-            num_reqs, kpool, SEARCH_STEPS=search_steps(num_reqs), BLOCK=block,
-        )
+    num_tokens, num_reqs = positions.numel(), block_table.shape[0]
+    launch_1d(_kpool_tail_slot_mapping_kernel, num_tokens, query_start_loc, block_table,
+              block_table.stride(0), positions, out, num_tokens, num_reqs, kpool,
+              SEARCH_STEPS=search_steps(num_reqs))
     return out
-
-
-kpool_tail_slot_mapping = register(
-    "kpool_tail_slot_mapping",
-    cpu=_kpool_tail_slot_mapping_cpu,
-    cuda=_kpool_tail_slot_mapping_cuda,
-    fake=_kpool_tail_slot_mapping_out,
-)

@@ -1,16 +1,27 @@
-"""Optional DeepGEMM backend: lazy import and the shapes its SM90 MQA-logits kernels take.
+"""Optional DeepGEMM backend: lazy import, the shapes its SM90 MQA-logits kernels take, and
+calls by keyword against the API dsa knows.
 
 DeepGEMM is never required: without it (or off Hopper) every caller falls back to Triton.
 ``deep_gemm`` is imported on first use, never when ``dsa`` is imported. Its kernels
 JIT-compile on their first call, so warm them up before capturing a CUDA graph.
+
+DeepGEMM's functions are pybind11 builtins whose parameter order changed between releases
+(upstream inserted ``clean_logits`` where 2.8.2 takes ``max_seqlen_k``): dsa reads each
+function's parameter names from its signature line, calls it by keyword, and refuses a
+DeepGEMM whose functions lack a parameter dsa passes.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import re
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
+from torch import Tensor
 
 PAGED_HEADS = (32, 64)
 PAGED_HEAD_DIMS = (32, 64, 128)
@@ -47,7 +58,7 @@ def _backend_reason(device: torch.device) -> str | None:
         return f"it needs an sm_90 (Hopper) GPU, got sm_{major}x"
     if deep_gemm() is None:
         return "the `deep_gemm` package cannot be imported"
-    return None
+    return api_mismatch()
 
 
 def paged_unsupported_reason(device: torch.device, num_heads: int, head_dim: int,
@@ -99,3 +110,58 @@ def num_sms(device: torch.device) -> int:
     if _backend_reason(device) is None:
         return deep_gemm().get_num_sms()
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# The parameters dsa passes to each DeepGEMM function, by name.
+API = {
+    "get_paged_mqa_logits_metadata": ("context_lens", "block_kv", "num_sms"),
+    "fp8_fp4_paged_mqa_logits": ("q", "kv_cache", "weights", "context_lens", "block_table",
+                                 "schedule_meta", "max_context_len"),
+    "fp8_fp4_mqa_logits": ("q", "kv", "weights", "cu_seq_len_k_start", "cu_seq_len_k_end",
+                           "max_seqlen_k"),
+}
+
+
+def parameter_names(fn: Callable) -> tuple[str, ...] | None:
+    """Parameter names of a Python function or a pybind11 builtin (from the signature line
+    of its docstring); None when neither says."""
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        pass
+    name = getattr(fn, "__name__", "")
+    for line in (getattr(fn, "__doc__", None) or "").splitlines():
+        if line.startswith(f"{name}("):
+            return tuple(re.findall(r"[(,]\s*(\w+)\s*:", line.split(") ->")[0]))
+    return None
+
+
+@functools.cache
+def api_mismatch() -> str | None:
+    """Why the installed DeepGEMM's API is not the one dsa calls, or None when it is."""
+    module = deep_gemm()
+    for fn_name, wanted in API.items():
+        fn = getattr(module, fn_name, None)
+        if fn is None:
+            return f"deep_gemm {_version(module)} has no `{fn_name}`"
+        names = parameter_names(fn)
+        if names is None or not set(wanted) <= set(names):
+            return (f"deep_gemm {_version(module)}'s `{fn_name}` takes {names}, not the "
+                    f"parameters dsa passes {wanted}")
+    return None
+
+
+def _version(module: ModuleType) -> str:
+    return str(getattr(module, "__version__", "(unknown version)"))
+
+
+def call(fn_name: str, **kwargs: Any) -> Tensor:
+    """Calls DeepGEMM's ``fn_name`` by keyword (its API checked by :func:`api_mismatch`)."""
+    return getattr(deep_gemm(), fn_name)(**kwargs)
+
+
+def tma_weights(weights: Tensor) -> Tensor:
+    """``weights`` as DeepGEMM loads them by TMA: unit column stride, 16-byte row stride."""
+    if weights.stride(1) == 1 and (weights.stride(0) * weights.element_size()) % 16 == 0:
+        return weights
+    return weights.contiguous()

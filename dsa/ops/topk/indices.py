@@ -1,4 +1,4 @@
-"""Top-k selection of the indexer logits (SPEC §3): ``dsa::topk_indices``.
+"""Top-k selection of the indexer logits (design §3): ``dsa::topk_indices``.
 
 Row ``r`` of ``logits`` is valid on columns ``[s, s + len)`` clipped to ``[0, N)``, where
 ``s = starts[r]`` (0 without ``starts``) and ``len = max(lengths[r], 0)``. The output row
@@ -32,11 +32,22 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, check_int, check_tensor
-from dsa.ops._registry import register
-
-_INT_MIN = tl.constexpr(-(2**31))
-_INT_MAX = tl.constexpr(2**31 - 1)
-
+from dsa.ops._registry import dsa_op
+from dsa.ops.topk.select import (
+    INT_MIN,
+    gather,
+    in_span,
+    kth_search,
+    order_key,
+    part_span,
+    row_range,
+    scatter,
+    select_streamed,
+    select_write,
+    slots,
+    tile,
+    write_all,
+)
 
 # --- validation, CPU face ----------------------------------------------------------------
 
@@ -50,6 +61,7 @@ def _check_rows(op: str, name: str, t: Tensor, logits: Tensor) -> None:
         )
 
 
+@dsa_op("topk_indices")
 def _topk_out(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None) -> Tensor:
     op = "topk_indices"
     check_tensor(op, "logits", logits, dtype=torch.float32, ndim=2)
@@ -71,6 +83,7 @@ def order_keys(x: Tensor) -> Tensor:
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
+@_topk_out.cpu
 def _topk_cpu(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None) -> Tensor:
     out = _topk_out(logits, lengths, k, starts)
     rows, n = logits.shape
@@ -91,191 +104,6 @@ def _topk_cpu(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = N
     return out
 
 
-# --- Triton building blocks --------------------------------------------------------------
-
-
-@triton.jit
-def _key(x):
-    """fp32 -> int32 key with the same order (its own inverse on the bits)."""
-    b = x.to(tl.int32, bitcast=True)
-    return b ^ ((b >> 31) & 0x7FFFFFFF)
-
-
-@triton.jit
-def _flag(cond):
-    """A scalar condition as a plain int1 (the 3.9 interpreter mistypes a broadcast compare)."""
-    return tl.where(cond, True, False)
-
-
-@triton.jit
-def _inside(cols, a, b):
-    """``a <= cols < b`` in one unsigned compare."""
-    return (cols - a).to(tl.uint32, bitcast=True) < (b - a).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS: tl.constexpr):
-    """Valid columns ``[lo, hi)`` of a row and ``off = lo - start`` (output = col - lo + off)."""
-    length = tl.maximum(tl.load(lengths_ptr + row).to(tl.int64), 0)
-    start = tl.load(starts_ptr + row).to(tl.int64) if HAS_STARTS else length * 0
-    lo = tl.minimum(tl.maximum(start, 0), n_cols)
-    hi = tl.maximum(tl.minimum(start + length, n_cols), lo)
-    return lo.to(tl.int32), hi.to(tl.int32), (lo - start).to(tl.int32)
-
-
-@triton.jit
-def _part_span(lo, hi, part, PARTS: tl.constexpr, BLOCK: tl.constexpr):
-    """Part ``part`` of a row: columns ``[a, b)``, streamed in BLOCK steps from ``base``."""
-    q0 = lo // BLOCK
-    q1 = (hi + BLOCK - 1) // BLOCK
-    per = (q1 - q0 + PARTS - 1) // PARTS
-    c0 = tl.minimum(q0 + part * per, q1)
-    c1 = tl.minimum(c0 + per, q1)
-    base = c0 * BLOCK
-    return tl.maximum(base, lo), tl.minimum(c1 * BLOCK, hi), base
-
-
-@triton.jit
-def _tile(R: tl.constexpr, C: tl.constexpr):
-    """Offsets ``0 .. R*C - 1`` as an ``[R, C]`` tile, rows contiguous. With C a multiple of
-    the thread count, a thread's elements of a column are its register repeats."""
-    return tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
-
-
-@triton.jit
-def _slots(flags):
-    """Exclusive prefix sums of an ``[R, C]`` tile in column-major order, and its total:
-    the sums down a column stay in one thread, so one cross-thread scan of C values ranks
-    R * C elements."""
-    per_col = tl.sum(flags, axis=0)
-    col_before = tl.cumsum(per_col, 0) - per_col
-    return col_before[None, :] + tl.cumsum(flags, 0) - flags, tl.sum(per_col)
-
-
-@triton.jit
-def _scatter(ptrs, values, mask, N: tl.constexpr):
-    """Masked store of an ``[R, C]`` tile (N elements) through scattered pointers, flattened
-    first: a 2-D store with data-dependent addresses gets a column-major layout of its own,
-    and converting the tile to it (through shared memory) costs more than the stores."""
-    tl.store(tl.reshape(ptrs, [N]), tl.reshape(values, [N]), mask=tl.reshape(mask, [N]))
-
-
-@triton.jit
-def _gather(ptrs, mask, N: tl.constexpr):
-    """Masked load (0 elsewhere) of an ``[R, C]`` tile through scattered pointers, flattened
-    like :func:`_scatter`."""
-    flat = tl.load(tl.reshape(ptrs, [N]), mask=tl.reshape(mask, [N]), other=0)
-    return tl.reshape(flat, ptrs.shape)
-
-
-@triton.jit
-def _next_pivots(lo, hi):
-    """Two pivots ``lo < m1 <= m2 < hi`` cutting ``[lo, hi)`` (``hi - lo >= 2``) in thirds."""
-    span = hi - lo
-    m1 = lo + tl.maximum(span // 3, 1)
-    return m1, tl.maximum(lo + (2 * span) // 3, m1)
-
-
-@triton.jit
-def _narrow(lo, hi, c_lo, m1, m2, c1, c2, need):
-    """The bracket after counting both pivots: (lo, hi, c_lo) with count(lo) = c_lo >= need
-    > count(hi)."""
-    top = c2 >= need
-    mid = c1 >= need
-    return (tl.where(top, m2, tl.where(mid, m1, lo)), tl.where(top, hi, tl.where(mid, m2, m1)),
-            tl.where(top, c2, tl.where(mid, c1, c_lo)))
-
-
-@triton.jit
-def _kth_search(keys, member, need, need_hi):
-    """A key ``t`` with ``need <= count(key >= t) <= need_hi``, or, when no key has such a
-    count, with ``count(key >= t) >= need > count(key > t)``; returns (t, count(key >= t)).
-    Requires ``1 <= need <= count(member) <= 2**15``; non-member keys must be ``_INT_MIN``.
-
-    Trisection of the key bracket ``[lo, hi)``: both pivots are counted by one block
-    reduction (the counts packed in 16-bit halves), so a step costs what a bisection step
-    does and cuts the bracket to a third."""
-    lo = tl.min(tl.where(member, keys, _INT_MAX)).to(tl.int64)
-    hi = tl.max(keys).to(tl.int64) + 1
-    c_lo = tl.sum(member.to(tl.int32))
-    while (hi - lo > 1) & ((c_lo < need) | (c_lo > need_hi)):
-        m1, m2 = _next_pivots(lo, hi)
-        packed = tl.sum((keys >= m1.to(tl.int32)).to(tl.int32)
-                        + ((keys >= m2.to(tl.int32)).to(tl.int32) << 16))
-        lo, hi, c_lo = _narrow(lo, hi, c_lo, m1, m2, packed & 0xFFFF, (packed >> 16) & 0xFFFF,
-                               need)
-    return lo.to(tl.int32), c_lo
-
-
-@triton.jit
-def _select_write(keys, idx, member, k, out_row, N: tl.constexpr):
-    """Writes the output indices ``idx`` of the k largest member keys of an ``[R, C]`` tile
-    (N elements, ``count(member) > k``; ties: the first in column-major order)."""
-    keys = tl.where(member, keys, _INT_MIN)
-    t, _ = _kth_search(keys, member, k, k)
-    # keys > t are all taken (fewer than k), then keys == t up to k
-    gt = member & (keys > t)
-    eq = member & (keys == t)
-    before, total = _slots(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
-    pos = tl.where(gt, before & 0xFFFF, (total & 0xFFFF) + (before >> 16))
-    _scatter(out_row + pos, idx, (gt | eq) & (pos < k), N)
-
-
-@triton.jit
-def _write_all(out_row, valid, off, k, BLOCK: tl.constexpr):
-    """A row with ``valid <= k``: ``off .. off + valid - 1`` then -1."""
-    for c in range(0, k, BLOCK):
-        j = c + tl.arange(0, BLOCK)
-        tl.store(out_row + j, tl.where(j < valid, j + off, -1), mask=j < k)
-
-
-@triton.jit
-def _select_streamed(row_ptr, out_row, k, lo, hi, off, BLOCK: tl.constexpr, C: tl.constexpr):
-    """The selection of a row with ``valid > k`` without candidates: the trisection counts
-    over the whole row at each step, then one pass writes the keys above the k-th largest
-    and the first equal ones."""
-    offs = _tile(BLOCK // C, C)
-    base = (lo // BLOCK) * BLOCK
-    t_lo = tl.full([], _INT_MIN, tl.int64)
-    t_hi = t_lo * 0 + _INT_MAX + 1
-    c_lo = hi - lo
-    c_hi = c_lo * 0
-    while (t_hi - t_lo > 1) & (c_lo != k):
-        m1, m2 = _next_pivots(t_lo, t_hi)
-        n1 = tl.zeros([BLOCK // C, C], tl.int32)
-        n2 = tl.zeros([BLOCK // C, C], tl.int32)
-        for c in range(base, hi, BLOCK):
-            cols = c + offs
-            inside = _inside(cols, lo, hi)
-            key = _key(tl.load(row_ptr + cols, mask=inside, other=0.0))
-            n1 += (inside & (key >= m1.to(tl.int32))).to(tl.int32)
-            n2 += (inside & (key >= m2.to(tl.int32))).to(tl.int32)
-        c1 = tl.sum(n1)
-        c2 = tl.sum(n2)
-        c_hi = tl.where(c2 >= k, c_hi, tl.where(c1 >= k, c2, c1))
-        t_lo, t_hi, c_lo = _narrow(t_lo, t_hi, c_lo, m1, m2, c1, c2, k)
-    # c_lo == k: every key >= t is taken; else the c_hi keys > t, then the first equal ones
-    t = t_lo.to(tl.int32)
-    exact = _flag(c_lo == k)
-    n_above = tl.where(exact, k, c_hi)
-    seen_gt = tl.zeros([], tl.int32)
-    seen_eq = tl.zeros([], tl.int32)
-    for c in range(base, hi, BLOCK):
-        cols = c + offs
-        inside = _inside(cols, lo, hi)
-        key = _key(tl.load(row_ptr + cols, mask=inside, other=0.0))
-        gt = inside & ((key > t) | (exact & (key == t)))
-        eq = inside & (key == t) & (~exact)
-        before, total = _slots(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
-        pos = tl.where(gt, seen_gt + (before & 0xFFFF), n_above + seen_eq + (before >> 16))
-        _scatter(out_row + pos, cols - lo + off, (gt | eq) & (pos < k), BLOCK)
-        seen_gt += total & 0xFFFF
-        seen_eq += total >> 16
-
-
-# --- kernels -----------------------------------------------------------------------------
-
-
 @triton.jit
 def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constexpr):
     """Key T with about ``k + margin * sqrt(k)`` (scaled to the sample) of the row's keys
@@ -287,13 +115,13 @@ def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constex
     member = i % W
     cols = lo + (i // W) * stride + member
     ok = (member < width) & (cols < hi)
-    keys = tl.where(ok, _key(tl.load(row_ptr + cols, mask=ok, other=0.0)), _INT_MIN)
+    keys = tl.where(ok, order_key(tl.load(row_ptr + cols, mask=ok, other=0.0)), INT_MIN)
     n_s = tl.sum(ok.to(tl.int32))
     expect = n_s.to(tl.float32) * k / valid.to(tl.float32)  # sample keys >= the k-th largest
     spread = tl.sqrt(expect)
     rank = tl.minimum(tl.maximum((expect + margin * spread).to(tl.int32) + 2, 1), n_s)
     # any count in [rank, rank + spread] will do
-    t, _ = _kth_search(keys, ok, rank, rank + spread.to(tl.int32))
+    t, _ = kth_search(keys, ok, rank, rank + spread.to(tl.int32))
     return t
 
 
@@ -307,22 +135,22 @@ def _candidates_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr
     high half) into its region of ``CAP`` entries, and their count (it may exceed CAP)."""
     row = tl.program_id(0)
     part = tl.program_id(1)
-    lo, hi, off = _row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
+    lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
     if hi - lo > CAP:
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         t = _sample_threshold(row_ptr, lo, hi, k, margin, G, W)
-        a, b, base = _part_span(lo, hi, part, PARTS, BLOCK)
+        a, b, base = part_span(lo, hi, part, PARTS, BLOCK)
         region = cand_ptr + (row * PARTS + part).to(tl.int64) * CAP
-        offs = _tile(BLOCK // C, C)
+        offs = tile(BLOCK // C, C)
         seen = tl.zeros([], tl.int32)
         for c in range(base, b, BLOCK):
             cols = c + offs
-            key = _key(tl.load(row_ptr + cols, mask=cols < n_cols, other=0.0))
-            take = _inside(cols, a, b) & (key >= t)
-            before, total = _slots(take.to(tl.int32))
+            key = order_key(tl.load(row_ptr + cols, mask=cols < n_cols, other=0.0))
+            take = in_span(cols, a, b) & (key >= t)
+            before, total = slots(take.to(tl.int32))
             pos = seen + before
             packed = (key.to(tl.int64) << 32) | ((cols - lo + off).to(tl.int64) & 0xFFFFFFFF)
-            _scatter(region + pos, packed, take & (pos < CAP), BLOCK)
+            scatter(region + pos, packed, take & (pos < CAP), BLOCK)
             seen += total
         tl.store(count_ptr + row * PARTS + part, seen)
 
@@ -336,16 +164,16 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
     registers; else the parts' candidates, or the streamed search when they are not
     usable (fewer than k, or more than CAP)."""
     row = tl.program_id(0)
-    lo, hi, off = _row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
+    lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     out_row = out_ptr + row.to(tl.int64) * k
-    j = _tile(CAP // C, C)
+    j = tile(CAP // C, C)
     if hi - lo <= k:
-        _write_all(out_row, hi - lo, off, k, FINISH_BLOCK)
+        write_all(out_row, hi - lo, off, k, FINISH_BLOCK)
     elif hi - lo <= CAP:
         member = j < hi - lo
-        keys = _key(tl.load(row_ptr + lo + j, mask=member, other=0.0))
-        _select_write(keys, j + off, member, k, out_row, CAP)
+        keys = order_key(tl.load(row_ptr + lo + j, mask=member, other=0.0))
+        select_write(keys, j + off, member, k, out_row, CAP)
     else:
         total = tl.zeros([], tl.int32)
         src = j
@@ -355,11 +183,11 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
             total += count
         if (total >= k) & (total <= CAP):
             member = j < total
-            packed = _gather(cand_ptr + row.to(tl.int64) * (PARTS * CAP) + src, member, CAP)
-            _select_write((packed >> 32).to(tl.int32), packed.to(tl.int32), member, k,
+            packed = gather(cand_ptr + row.to(tl.int64) * (PARTS * CAP) + src, member, CAP)
+            select_write((packed >> 32).to(tl.int32), packed.to(tl.int32), member, k,
                           out_row, CAP)
         else:
-            _select_streamed(row_ptr, out_row, k, lo, hi, off, BLOCK, C)
+            select_streamed(row_ptr, out_row, k, lo, hi, off, BLOCK, C)
 
 
 # --- launch ------------------------------------------------------------------------------
@@ -457,14 +285,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     return out
 
 
+@_topk_out.cuda
 def _topk_cuda(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None) -> Tensor:
     out = _topk_out(logits, lengths, k, starts)
     return launch_topk(logits, lengths, k, starts, out=out)
-
-
-topk_indices = register(
-    "topk_indices",
-    cpu=_topk_cpu,
-    cuda=_topk_cuda,
-    fake=_topk_out,
-)

@@ -1,0 +1,46 @@
+"""What the logits ops share: the output layout, fp8 decoding and the backend choice.
+
+For query row t and key s (``w`` already folds q's scale, see :mod:`dsa.ops.quant`)::
+
+    logits[t, s] = k_scale[s] * sum_h w[t, h] * relu(dot(q[t, h], k[s]))
+
+Outputs are ``[rows, cols]`` views of buffers whose row stride is ``align(cols, 256)``
+floats, as DeepGEMM allocates them; :func:`alloc_logits` makes them for every face.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dsa.config import LOGITS_BACKENDS
+from dsa.ops._checks import check_choice
+
+LOGITS_ALIGN = 256
+
+
+def alloc_logits(rows: int, cols: int, device: torch.device) -> Tensor:
+    """fp32 ``[rows, cols]`` view of a ``[rows, align(cols, 256)]`` buffer (DeepGEMM's layout)."""
+    width = (cols + LOGITS_ALIGN - 1) // LOGITS_ALIGN * LOGITS_ALIGN
+    return torch.empty(rows, width, dtype=torch.float32, device=device).narrow(1, 0, cols)
+
+
+def fp8_rows(value_bytes: Tensor) -> Tensor:
+    """float32 values of fp8 e4m3 bytes."""
+    return value_bytes.view(torch.float8_e4m3fn).float()
+
+
+def choose_backend(op: str, backend: str, deepgemm_reason: str | None) -> str:
+    """The implementation a logits call runs: "deepgemm" or "triton" (dsa's own kernel:
+    Triton on CUDA, plain torch on the CPU).
+
+    ``backend`` is one of ``LOGITS_BACKENDS``; ``deepgemm_reason`` says why DeepGEMM cannot
+    take the call (None: it can). "auto" takes DeepGEMM where it can run; an explicit
+    "deepgemm" that cannot run raises, naming the reason.
+    """
+    check_choice(op, "backend", backend, LOGITS_BACKENDS)
+    if backend == "deepgemm" and deepgemm_reason is not None:
+        raise ValueError(f"dsa.{op}: backend='deepgemm' cannot run this call: {deepgemm_reason}")
+    if backend == "auto":
+        return "deepgemm" if deepgemm_reason is None else "triton"
+    return backend

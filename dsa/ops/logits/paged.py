@@ -1,0 +1,315 @@
+"""Paged MQA logits of decode rows (design §3): ``dsa::paged_mqa_logits`` (dsa's kernel:
+Triton on CUDA, plain torch on the CPU) and ``dsa::paged_mqa_logits_deepgemm``.
+
+q is ``[B, next_n, H, D]`` fp8, K is read from the paged cache through ``block_table``, and
+row ``b * next_n + j`` of the ``[B * next_n, max_context_len]`` output has
+``context_lens[b, j]`` valid columns. dsa's kernel writes -inf past a row's length and on
+keys whose block entry is outside the table or the cache; DeepGEMM leaves those columns
+unspecified (top-k masks by length) and trusts its caller: lengths <= ``max_context_len``
+whose blocks are all inside the cache (``build_decode_metadata`` caps lengths that way when
+``IndexerConfig.num_blocks`` is set). :func:`paged_logits` picks an implementation by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dsa.ops._checks import (
+    INDEX_DTYPES,
+    check_block_table,
+    check_int,
+    check_nonnegative,
+    check_size,
+    check_tensor,
+)
+from dsa.ops._registry import dsa_op
+from dsa.ops.kcache import check_kv_cache, kcache_views, padded_block_table
+from dsa.ops.logits import deepgemm
+from dsa.ops.logits.common import alloc_logits, choose_backend, fp8_rows
+
+
+@dataclass(frozen=True)
+class PagedLogitsConfig:
+    """Launch parameters of the Triton paged-logits kernel.
+
+    A program handles one request and ``tiles_per_program`` consecutive tiles of ``tile``
+    KV tokens (a power of two >= 16; it may span several cache blocks or part of one).
+    """
+
+    tile: int = 64
+    tiles_per_program: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def paged_logits_config(batch: int, next_n: int, num_heads: int,
+                        max_context_len: int) -> PagedLogitsConfig:
+    """Default launch parameters for a shape, from the H200 sweep
+    (``benchmarks/bench_logits_sweep.py``): 64-token tiles, two pipeline stages, and about
+    512 programs or more, each taking at most 16 tiles of its request's context."""
+    tile = 64
+    tiles = batch * max(1, triton.cdiv(max_context_len, tile))
+    rows = triton.next_power_of_2(next_n) * triton.next_power_of_2(num_heads)
+    return PagedLogitsConfig(
+        tile=tile,
+        tiles_per_program=max(1, min(16, tiles // 512)),
+        num_warps=8 if rows >= 256 else 4,
+        num_stages=2,
+    )
+
+
+def _check_paged(op: str, q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
+                 context_lens: Tensor, block_table: Tensor, max_context_len: int) -> None:
+    check_tensor(op, "q_fp8", q_fp8, dtype=torch.float8_e4m3fn, ndim=4, contiguous=True)
+    batch, next_n, num_heads, head_dim = q_fp8.shape
+    num_blocks, _, _ = check_kv_cache(op, kv_cache, like=q_fp8)
+    check_size(op, "kv_cache", kv_cache, 3, head_dim + 4, "head_dim + 4 = q_fp8.shape[3] + 4")
+    if num_blocks < 1:
+        raise ValueError(f"dsa.{op}: `kv_cache` must have at least one block, got shape "
+                         f"{tuple(kv_cache.shape)}")
+    check_tensor(op, "weights", weights, dtype=torch.float32, ndim=2, like=q_fp8)
+    check_size(op, "weights", weights, 0, batch * next_n, "batch * next_n of q_fp8")
+    check_size(op, "weights", weights, 1, num_heads, "num_heads = q_fp8.shape[2]")
+    check_tensor(op, "context_lens", context_lens, dtype=INDEX_DTYPES, ndim=2, contiguous=True,
+                 like=q_fp8)
+    check_size(op, "context_lens", context_lens, 0, batch, "batch = q_fp8.shape[0]")
+    check_size(op, "context_lens", context_lens, 1, next_n, "next_n = q_fp8.shape[1]")
+    check_nonnegative(op, "context_lens", context_lens)
+    check_block_table(op, block_table, q_fp8)
+    check_size(op, "block_table", block_table, 0, batch, "batch = q_fp8.shape[0]")
+    check_int(op, "max_context_len", max_context_len, low=0)
+
+
+# --- dsa::paged_mqa_logits -------------------------------------------------------------------
+
+
+@dsa_op("paged_mqa_logits")
+def _paged_mqa_logits_out(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
+                          context_lens: Tensor, block_table: Tensor,
+                          max_context_len: int) -> Tensor:
+    _check_paged("paged_mqa_logits", q_fp8, kv_cache, weights, context_lens, block_table,
+                 max_context_len)
+    return alloc_logits(q_fp8.shape[0] * q_fp8.shape[1], max_context_len, q_fp8.device)
+
+
+@_paged_mqa_logits_out.cpu
+def _paged_mqa_logits_cpu(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
+                          context_lens: Tensor, block_table: Tensor,
+                          max_context_len: int) -> Tensor:
+    args = (q_fp8, kv_cache, weights, context_lens, block_table)
+    return _paged_logits_torch(*args, _paged_mqa_logits_out(*args, max_context_len))
+
+
+def _paged_logits_torch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
+                        block_table: Tensor, out: Tensor) -> Tensor:
+    batch, next_n, num_heads, _ = q_fp8.shape
+    values, scales = kcache_views(kv_cache)
+    value_bytes = values.view(torch.uint8)  # indexed as bytes: fp8 indexing is not everywhere
+    num_blocks, block_size = scales.shape
+    pos = torch.arange(out.shape[1], device=out.device)
+    col = (pos // block_size).clamp_(max=block_table.shape[1])
+    table = padded_block_table(block_table)
+    w = weights.view(batch, next_n, num_heads, 1)
+    for b in range(batch):
+        blk = table[b, col].long()
+        ok = (blk >= 0) & (blk < num_blocks)
+        blk, off = torch.where(ok, blk, 0), pos % block_size
+        scores = torch.einsum("nhd,ld->nhl", q_fp8[b].float(), fp8_rows(value_bytes[blk, off]))
+        logits = (scores.relu_() * w[b]).sum(dim=1) * scales[blk, off]
+        valid = ok & (pos < context_lens[b, :, None])
+        out[b * next_n:(b + 1) * next_n] = torch.where(valid, logits, float("-inf"))
+    return out
+
+
+# Runtime ints that vary with the batch stay unspecialised: one compile per config and shape
+# family, not one per context length.
+@triton.jit(do_not_specialize=["bt_stride", "width", "num_blocks", "max_context_len",
+                               "tiles_per_program"])
+def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride1, ctx_ptr,
+                         bt_ptr, bt_stride, out_ptr, out_stride, width, num_blocks,
+                         max_context_len, tiles_per_program,
+                         N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                         VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
+                         NP: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr,
+                         TILE: tl.constexpr):
+    split = tl.program_id(0)
+    b = tl.program_id(1)
+    # The request's next_n rows: context lengths (clamped to the output width).
+    jn = tl.arange(0, NP)
+    ctx = tl.load(ctx_ptr + b * N + jn, mask=jn < N, other=0)
+    ctx = tl.minimum(tl.maximum(ctx, 0), max_context_len)
+    longest = tl.max(ctx, axis=0)
+    t_begin = split * tiles_per_program
+    t_end = tl.minimum(t_begin + tiles_per_program, tl.cdiv(max_context_len, TILE))
+    t_mid = tl.maximum(tl.minimum(tl.cdiv(longest, TILE), t_end), t_begin)
+    out_rows = out_ptr + (b * N + jn).to(tl.int64) * out_stride
+    store_rows = (jn < N)[None, :]
+    cols = tl.arange(0, TILE)
+
+    # q and weights of all (row, head) pairs, padded to NP * HP rows, loaded once.
+    r = tl.arange(0, NP * HP)
+    row_ok = (r // HP < N) & (r % HP < H)
+    qrow = b * N + r // HP
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + (qrow * H + r % HP).to(tl.int64)[:, None] * D + d[None, :],
+                mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+    w = tl.load(w_ptr + qrow.to(tl.int64) * w_stride0 + (r % HP) * w_stride1, mask=row_ok,
+                other=0.0)
+
+    for t in range(t_begin, t_mid):
+        pos = t * TILE + cols
+        bt_col = pos // BS
+        ok = (pos < longest) & (bt_col < width)
+        blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + bt_col, mask=ok, other=-1)
+        ok = ok & (blk >= 0) & (blk < num_blocks)
+        # Invalid tokens read block 0 (always present) and are masked to -inf below.
+        blk = tl.where(ok, blk, 0).to(tl.int64)
+        off = pos % BS
+        src = blk * VALUE_STRIDE + off * D
+        if BLOCK_D == D:
+            k = tl.load(value_ptr + src[:, None] + d[None, :])
+        else:
+            k = tl.load(value_ptr + src[:, None] + d[None, :], mask=(d < D)[None, :], other=0.0)
+        k_scale = tl.load(scale_ptr + blk * SCALE_STRIDE + off)
+        s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0)
+        for j in tl.static_range(N):
+            # Row j's heads are the columns [j * HP, j * HP + H) of s.
+            w_j = tl.where(r // HP == j, w, 0.0)
+            logits = tl.sum(s * w_j[None, :], axis=1) * k_scale
+            ctx_j = tl.sum(tl.where(jn == j, ctx, 0), axis=0)
+            tl.store(out_ptr + (b * N + j).to(tl.int64) * out_stride + pos,
+                     tl.where(ok & (pos < ctx_j), logits, float("-inf")),
+                     mask=pos < max_context_len)
+    for t in range(t_mid, t_end):
+        pos = t * TILE + cols
+        tl.store(out_rows[None, :] + pos[:, None],
+                 tl.full((TILE, NP), float("-inf"), tl.float32),
+                 mask=store_rows & (pos < max_context_len)[:, None])
+
+
+def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
+                         context_lens: Tensor, block_table: Tensor, out: Tensor,
+                         config: PagedLogitsConfig | None) -> Tensor:
+    batch, next_n, num_heads, head_dim = q_fp8.shape
+    max_context_len = out.shape[1]
+    if out.numel() == 0:
+        return out
+    if config is None:
+        config = paged_logits_config(batch, next_n, num_heads, max_context_len)
+    if config.tile < 16 or config.tile & (config.tile - 1) or config.tiles_per_program < 1:
+        raise ValueError(f"dsa.paged_mqa_logits: bad Triton launch config {config}")
+    values, scales = kcache_views(kv_cache)
+    num_blocks, block_size = scales.shape
+    np_ = triton.next_power_of_2(next_n)
+    hp = max(triton.next_power_of_2(num_heads), triton.cdiv(16, np_))
+    num_tiles = triton.cdiv(max_context_len, config.tile)
+    grid = (triton.cdiv(num_tiles, config.tiles_per_program), batch)
+    _paged_logits_kernel[grid](
+        q_fp8, values, scales, weights, weights.stride(0), weights.stride(1), context_lens,
+        block_table, block_table.stride(0), out, out.stride(0), block_table.shape[1],
+        num_blocks, max_context_len, config.tiles_per_program,
+        N=next_n, H=num_heads, D=head_dim, BS=block_size, VALUE_STRIDE=values.stride(0),
+        SCALE_STRIDE=scales.stride(0), NP=np_, HP=hp,
+        BLOCK_D=max(32, triton.next_power_of_2(head_dim)), TILE=config.tile,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+@_paged_mqa_logits_out.cuda
+def _paged_mqa_logits_cuda(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
+                           context_lens: Tensor, block_table: Tensor,
+                           max_context_len: int) -> Tensor:
+    args = (q_fp8, kv_cache, weights, context_lens, block_table)
+    return _paged_logits_launch(*args, _paged_mqa_logits_out(*args, max_context_len), None)
+
+
+def paged_logits_triton(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
+                        block_table: Tensor, max_context_len: int,
+                        config: PagedLogitsConfig | None = None) -> Tensor:
+    """The Triton kernel with explicit launch parameters (None: :func:`paged_logits_config`),
+    for benchmark sweeps; validates like the op."""
+    args = (q_fp8, kv_cache, weights, context_lens, block_table)
+    return _paged_logits_launch(*args, _paged_mqa_logits_out(*args, max_context_len), config)
+
+
+# --- dsa::paged_mqa_logits_deepgemm ----------------------------------------------------------
+
+
+@dsa_op("paged_mqa_logits_deepgemm")
+def _paged_deepgemm_out(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
+                        block_table: Tensor, max_context_len: int,
+                        schedule: Tensor | None = None) -> Tensor:
+    op = "paged_mqa_logits_deepgemm"
+    _check_paged(op, q_fp8, kv_cache, weights, context_lens, block_table, max_context_len)
+    _, next_n, num_heads, head_dim = q_fp8.shape
+    reason = deepgemm.paged_unsupported_reason(q_fp8.device, num_heads, head_dim,
+                                               kv_cache.shape[1], next_n)
+    if reason is not None:
+        raise ValueError(f"dsa.{op}: DeepGEMM cannot run this call: {reason}")
+    if schedule is not None:
+        check_tensor(op, "schedule", schedule, dtype=INDEX_DTYPES, ndim=2, contiguous=True,
+                     like=q_fp8)
+        check_size(op, "schedule", schedule, 0, deepgemm.num_sms(q_fp8.device) + 1,
+                   "num_sms + 1, as dsa.paged_mqa_schedule makes it")
+        check_size(op, "schedule", schedule, 1, 2, "DeepGEMM's schedule layout")
+    return alloc_logits(q_fp8.shape[0] * next_n, max_context_len, q_fp8.device)
+
+
+@_paged_deepgemm_out.cpu
+def _paged_deepgemm_cpu(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
+                        block_table: Tensor, max_context_len: int,
+                        schedule: Tensor | None = None) -> Tensor:
+    # Raises: DeepGEMM needs CUDA tensors.
+    return _paged_deepgemm_out(q_fp8, kv_cache, weights, context_lens, block_table,
+                               max_context_len, schedule)
+
+
+@_paged_deepgemm_out.cuda
+def _paged_deepgemm_cuda(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
+                         block_table: Tensor, max_context_len: int,
+                         schedule: Tensor | None = None) -> Tensor:
+    out = _paged_deepgemm_out(q_fp8, kv_cache, weights, context_lens, block_table,
+                              max_context_len, schedule)
+    if out.numel() == 0:
+        return out
+    # Lengths of 0 make the kernel read out of bounds; the schedule and the kernel must see
+    # the same lengths (dsa.paged_mqa_schedule clamps the same way), at most the row width.
+    lens = context_lens.clamp(1, max(max_context_len, 1))
+    if schedule is None:
+        schedule = deepgemm.call("get_paged_mqa_logits_metadata", context_lens=lens,
+                                 block_kv=kv_cache.shape[1],
+                                 num_sms=deepgemm.num_sms(q_fp8.device))
+    return deepgemm.call("fp8_fp4_paged_mqa_logits", q=(q_fp8, None), kv_cache=kv_cache,
+                         weights=deepgemm.tma_weights(weights), context_lens=lens,
+                         block_table=block_table, schedule_meta=schedule,
+                         max_context_len=max_context_len)
+
+
+# --- choosing ------------------------------------------------------------------------------
+
+
+def paged_backend(backend: str, device: torch.device, num_heads: int, head_dim: int,
+                  block_size: int, next_n: int) -> str:
+    """"deepgemm" or "triton": the implementation ``backend`` ("auto", "triton" or
+    "deepgemm") runs for this shape on ``device``."""
+    reason = deepgemm.paged_unsupported_reason(device, num_heads, head_dim, block_size, next_n)
+    return choose_backend("paged_mqa_logits", backend, reason)
+
+
+def paged_logits(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
+                 block_table: Tensor, max_context_len: int, *, backend: str = "auto",
+                 schedule: Tensor | None = None) -> Tensor:
+    """Paged logits on the implementation :func:`paged_backend` picks (``schedule``: a
+    DeepGEMM schedule for these lengths, used when DeepGEMM runs)."""
+    _, next_n, num_heads, head_dim = q_fp8.shape
+    args = (q_fp8, kv_cache, weights, context_lens, block_table, max_context_len)
+    if paged_backend(backend, q_fp8.device, num_heads, head_dim, kv_cache.shape[1],
+                     next_n) == "deepgemm":
+        return torch.ops.dsa.paged_mqa_logits_deepgemm(*args, schedule)
+    return torch.ops.dsa.paged_mqa_logits(*args)

@@ -1,0 +1,6 @@
+"""Top-k selection: ``select`` (Triton building blocks of an exact selection), ``indices``
+(``dsa::topk_indices``), ``slots`` (``dsa::indices_to_slots``, positions to cache slots)."""
+
+from dsa.ops.topk import indices, select, slots
+
+__all__ = ["indices", "select", "slots"]

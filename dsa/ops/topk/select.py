@@ -1,0 +1,197 @@
+"""Building blocks of an exact top-k on order-preserving int32 keys, in Triton.
+
+Keys (:func:`key`) order like the fp32 logits they encode. A row's keys live in an
+``[R, C]`` register tile (:func:`tile`); :func:`kth_search` finds the k-th largest key by
+trisection with two pivots counted per block reduction, :func:`select_write` writes the
+larger keys and enough equal ones, and :func:`select_streamed` does the same for a row too
+long for registers, streaming it once per step. Stores and gathers go through flattened
+tiles (:func:`scatter`, :func:`gather`) so Triton keeps one layout for them.
+"""
+
+import triton
+import triton.language as tl
+
+INT_MIN = tl.constexpr(-(2**31))
+INT_MAX = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def order_key(x):
+    """fp32 -> int32 key with the same order (its own inverse on the bits)."""
+    b = x.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def flag(cond):
+    """A scalar condition as a plain int1 (the 3.9 interpreter mistypes a broadcast compare)."""
+    return tl.where(cond, True, False)
+
+
+@triton.jit
+def in_span(cols, a, b):
+    """``a <= cols < b`` in one unsigned compare."""
+    return (cols - a).to(tl.uint32, bitcast=True) < (b - a).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS: tl.constexpr):
+    """Valid columns ``[lo, hi)`` of a row and ``off = lo - start`` (output = col - lo + off)."""
+    length = tl.maximum(tl.load(lengths_ptr + row).to(tl.int64), 0)
+    start = tl.load(starts_ptr + row).to(tl.int64) if HAS_STARTS else length * 0
+    lo = tl.minimum(tl.maximum(start, 0), n_cols)
+    hi = tl.maximum(tl.minimum(start + length, n_cols), lo)
+    return lo.to(tl.int32), hi.to(tl.int32), (lo - start).to(tl.int32)
+
+
+@triton.jit
+def part_span(lo, hi, part, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Part ``part`` of a row: columns ``[a, b)``, streamed in BLOCK steps from ``base``."""
+    q0 = lo // BLOCK
+    q1 = (hi + BLOCK - 1) // BLOCK
+    per = (q1 - q0 + PARTS - 1) // PARTS
+    c0 = tl.minimum(q0 + part * per, q1)
+    c1 = tl.minimum(c0 + per, q1)
+    base = c0 * BLOCK
+    return tl.maximum(base, lo), tl.minimum(c1 * BLOCK, hi), base
+
+
+@triton.jit
+def tile(R: tl.constexpr, C: tl.constexpr):
+    """Offsets ``0 .. R*C - 1`` as an ``[R, C]`` tile, rows contiguous. With C a multiple of
+    the thread count, a thread's elements of a column are its register repeats."""
+    return tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+
+
+@triton.jit
+def slots(flags):
+    """Exclusive prefix sums of an ``[R, C]`` tile in column-major order, and its total:
+    the sums down a column stay in one thread, so one cross-thread scan of C values ranks
+    R * C elements."""
+    per_col = tl.sum(flags, axis=0)
+    col_before = tl.cumsum(per_col, 0) - per_col
+    return col_before[None, :] + tl.cumsum(flags, 0) - flags, tl.sum(per_col)
+
+
+@triton.jit
+def scatter(ptrs, values, mask, N: tl.constexpr):
+    """Masked store of an ``[R, C]`` tile (N elements) through scattered pointers, flattened
+    first: a 2-D store with data-dependent addresses gets a column-major layout of its own,
+    and converting the tile to it (through shared memory) costs more than the stores."""
+    tl.store(tl.reshape(ptrs, [N]), tl.reshape(values, [N]), mask=tl.reshape(mask, [N]))
+
+
+@triton.jit
+def gather(ptrs, mask, N: tl.constexpr):
+    """Masked load (0 elsewhere) of an ``[R, C]`` tile through scattered pointers, flattened
+    like :func:`scatter`."""
+    flat = tl.load(tl.reshape(ptrs, [N]), mask=tl.reshape(mask, [N]), other=0)
+    return tl.reshape(flat, ptrs.shape)
+
+
+@triton.jit
+def next_pivots(lo, hi):
+    """Two pivots ``lo < m1 <= m2 < hi`` cutting ``[lo, hi)`` (``hi - lo >= 2``) in thirds."""
+    span = hi - lo
+    m1 = lo + tl.maximum(span // 3, 1)
+    return m1, tl.maximum(lo + (2 * span) // 3, m1)
+
+
+@triton.jit
+def narrow(lo, hi, c_lo, m1, m2, c1, c2, need):
+    """The bracket after counting both pivots: (lo, hi, c_lo) with count(lo) = c_lo >= need
+    > count(hi)."""
+    top = c2 >= need
+    mid = c1 >= need
+    return (tl.where(top, m2, tl.where(mid, m1, lo)), tl.where(top, hi, tl.where(mid, m2, m1)),
+            tl.where(top, c2, tl.where(mid, c1, c_lo)))
+
+
+@triton.jit
+def kth_search(keys, member, need, need_hi):
+    """A key ``t`` with ``need <= count(key >= t) <= need_hi``, or, when no key has such a
+    count, with ``count(key >= t) >= need > count(key > t)``; returns (t, count(key >= t)).
+    Requires ``1 <= need <= count(member) <= 2**15``; non-member keys must be ``INT_MIN``.
+
+    Trisection of the key bracket ``[lo, hi)``: both pivots are counted by one block
+    reduction (the counts packed in 16-bit halves), so a step costs what a bisection step
+    does and cuts the bracket to a third."""
+    lo = tl.min(tl.where(member, keys, INT_MAX)).to(tl.int64)
+    hi = tl.max(keys).to(tl.int64) + 1
+    c_lo = tl.sum(member.to(tl.int32))
+    while (hi - lo > 1) & ((c_lo < need) | (c_lo > need_hi)):
+        m1, m2 = next_pivots(lo, hi)
+        packed = tl.sum((keys >= m1.to(tl.int32)).to(tl.int32)
+                        + ((keys >= m2.to(tl.int32)).to(tl.int32) << 16))
+        lo, hi, c_lo = narrow(lo, hi, c_lo, m1, m2, packed & 0xFFFF, (packed >> 16) & 0xFFFF,
+                               need)
+    return lo.to(tl.int32), c_lo
+
+
+@triton.jit
+def select_write(keys, idx, member, k, out_row, N: tl.constexpr):
+    """Writes the output indices ``idx`` of the k largest member keys of an ``[R, C]`` tile
+    (N elements, ``count(member) > k``; ties: the first in column-major order)."""
+    keys = tl.where(member, keys, INT_MIN)
+    t, _ = kth_search(keys, member, k, k)
+    # keys > t are all taken (fewer than k), then keys == t up to k
+    gt = member & (keys > t)
+    eq = member & (keys == t)
+    before, total = slots(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
+    pos = tl.where(gt, before & 0xFFFF, (total & 0xFFFF) + (before >> 16))
+    scatter(out_row + pos, idx, (gt | eq) & (pos < k), N)
+
+
+@triton.jit
+def write_all(out_row, valid, off, k, BLOCK: tl.constexpr):
+    """A row with ``valid <= k``: ``off .. off + valid - 1`` then -1."""
+    for c in range(0, k, BLOCK):
+        j = c + tl.arange(0, BLOCK)
+        tl.store(out_row + j, tl.where(j < valid, j + off, -1), mask=j < k)
+
+
+@triton.jit
+def select_streamed(row_ptr, out_row, k, lo, hi, off, BLOCK: tl.constexpr, C: tl.constexpr):
+    """The selection of a row with ``valid > k`` without candidates: the trisection counts
+    over the whole row at each step, then one pass writes the keys above the k-th largest
+    and the first equal ones."""
+    offs = tile(BLOCK // C, C)
+    base = (lo // BLOCK) * BLOCK
+    t_lo = tl.full([], INT_MIN, tl.int64)
+    t_hi = t_lo * 0 + INT_MAX + 1
+    c_lo = hi - lo
+    c_hi = c_lo * 0
+    while (t_hi - t_lo > 1) & (c_lo != k):
+        m1, m2 = next_pivots(t_lo, t_hi)
+        n1 = tl.zeros([BLOCK // C, C], tl.int32)
+        n2 = tl.zeros([BLOCK // C, C], tl.int32)
+        for c in range(base, hi, BLOCK):
+            cols = c + offs
+            inside = in_span(cols, lo, hi)
+            key = order_key(tl.load(row_ptr + cols, mask=inside, other=0.0))
+            n1 += (inside & (key >= m1.to(tl.int32))).to(tl.int32)
+            n2 += (inside & (key >= m2.to(tl.int32))).to(tl.int32)
+        c1 = tl.sum(n1)
+        c2 = tl.sum(n2)
+        c_hi = tl.where(c2 >= k, c_hi, tl.where(c1 >= k, c2, c1))
+        t_lo, t_hi, c_lo = narrow(t_lo, t_hi, c_lo, m1, m2, c1, c2, k)
+    # c_lo == k: every key >= t is taken; else the c_hi keys > t, then the first equal ones
+    t = t_lo.to(tl.int32)
+    exact = flag(c_lo == k)
+    n_above = tl.where(exact, k, c_hi)
+    seen_gt = tl.zeros([], tl.int32)
+    seen_eq = tl.zeros([], tl.int32)
+    for c in range(base, hi, BLOCK):
+        cols = c + offs
+        inside = in_span(cols, lo, hi)
+        key = order_key(tl.load(row_ptr + cols, mask=inside, other=0.0))
+        gt = inside & ((key > t) | (exact & (key == t)))
+        eq = inside & (key == t) & (~exact)
+        before, total = slots(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
+        pos = tl.where(gt, seen_gt + (before & 0xFFFF), n_above + seen_eq + (before >> 16))
+        scatter(out_row + pos, cols - lo + off, (gt | eq) & (pos < k), BLOCK)
+        seen_gt += total & 0xFFFF
+        seen_eq += total >> 16
+
+
+# --- kernels -----------------------------------------------------------------------------
