@@ -2,7 +2,9 @@
 
 Importing ``dsa`` registers ``torch.ops.dsa.*``. The public API: ``IndexerConfig``,
 ``Batch``, ``build_decode_metadata`` / ``build_prefill_metadata`` and their metadata types,
-the ``Indexer`` layer, and ``dsa.graphs`` for CUDA-graph capture of decode steps.
+the ``Indexer`` layer (``Indexer.from_hf_config``, ``Indexer.load_checkpoint`` for DeepSeek
+V3.2 checkpoints) with its ``YarnScaling`` RoPE, and ``dsa.graphs`` for CUDA-graph capture of
+decode steps.
 """
 
 from dsa import ops
@@ -17,6 +19,7 @@ from dsa.meta import (
     build_prefill_metadata,
     split_prefill_chunks,
 )
+from dsa.rope import YarnScaling
 
 __version__ = "0.1.0"
 
@@ -28,6 +31,7 @@ __all__ = [
     "IndexerOutput",
     "PrefillChunk",
     "PrefillMetadata",
+    "YarnScaling",
     "build_decode_metadata",
     "build_prefill_metadata",
     "ops",

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
@@ -12,8 +16,11 @@ from dsa.config import IndexerConfig
 from dsa.meta.decode import DecodeMetadata
 from dsa.meta.prefill import PrefillMetadata
 from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor
+from dsa.rope import YarnScaling, neox_rope, rope_scaling_from_hf, rope_table
 
 ops = torch.ops.dsa
+
+FP8_BLOCK = 128  # DeepSeek's fp8 checkpoints: one fp32 scale per 128x128 weight block
 
 
 @dataclass(frozen=True)
@@ -36,10 +43,12 @@ class Indexer(nn.Module):
     ``wq_b`` on the q latent and ``wk`` + LayerNorm on the hidden state give q ``[T, H, D]``
     and k ``[T, D]``; NeoX RoPE rotates their first ``rope_dim`` dims, an optional Hadamard
     rotation mixes all D, then q is quantised per (token, head) and k is written to the fp8
-    paged cache (a buffer of this module). ``weights_proj`` gives the head weights.
+    paged cache (a buffer of this module). ``weights_proj``, kept and computed in fp32, gives
+    the head weights. ``rope_scaling``: YaRN for the RoPE table, ``None`` for plain RoPE.
 
     Weights load from a DeepSeek state dict: ``wq_b.weight``, ``wk.weight``,
-    ``k_norm.weight``, ``k_norm.bias``, ``weights_proj.weight``.
+    ``k_norm.weight``, ``k_norm.bias``, ``weights_proj.weight`` (``load_state_dict``), or
+    from a checkpoint as shipped, fp8 block-scaled weights included (``load_checkpoint``).
     """
 
     def __init__(
@@ -51,6 +60,7 @@ class Indexer(nn.Module):
         num_blocks: int,
         rope_dim: int = 64,
         rope_theta: float = 10000.0,
+        rope_scaling: YarnScaling | None = None,
         hadamard: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.bfloat16,
@@ -68,10 +78,12 @@ class Indexer(nn.Module):
         self.wq_b = nn.Linear(q_lora_rank, heads * dim, bias=False, **factory)
         self.wk = nn.Linear(hidden_size, dim, bias=False, **factory)
         self.k_norm = nn.LayerNorm(dim, eps=1e-6, **factory)
-        self.weights_proj = nn.Linear(hidden_size, heads, bias=False, **factory)
+        self.weights_proj = nn.Linear(hidden_size, heads, bias=False, device=device,
+                                      dtype=torch.float32)
         self.rope_dim = rope_dim
         self.register_buffer(
-            "rope_cos_sin", _rope_table(cfg.max_model_len, rope_dim, rope_theta, device),
+            "rope_cos_sin",
+            rope_table(cfg.max_model_len, rope_dim, rope_theta, rope_scaling, device),
             persistent=False,
         )
         self.register_buffer(
@@ -82,6 +94,68 @@ class Indexer(nn.Module):
             torch.zeros(num_blocks, cfg.block_size, 1, dim + 4, dtype=torch.uint8, device=device),
             persistent=False,
         )
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: Mapping[str, Any],
+        *,
+        max_num_reqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_blocks: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        **cfg_overrides: Any,
+    ) -> Indexer:
+        """A layer sized by a DeepSeek V3.2 ``config.json`` dict and the scheduler's limits.
+
+        Reads ``hidden_size``, ``q_lora_rank``, ``index_n_heads``, ``index_head_dim``,
+        ``index_topk``, ``qk_rope_head_dim``, ``rope_theta`` and ``rope_scaling`` (absent or
+        null: plain RoPE). ``cfg_overrides``: other ``IndexerConfig`` fields (block_size,
+        next_n, ...). Weights are uninitialised: see ``load_checkpoint``.
+        """
+        def read(key: str) -> Any:
+            if config.get(key) is None:
+                raise ValueError(f"Indexer.from_hf_config: the config has no {key!r} (a "
+                                 "DeepSeek V3.2 config.json is expected)")
+            return config[key]
+
+        cfg = IndexerConfig(max_num_reqs=max_num_reqs,
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            max_model_len=max_model_len, num_heads=read("index_n_heads"),
+                            head_dim=read("index_head_dim"), topk=read("index_topk"),
+                            **cfg_overrides)
+        return cls(cfg, hidden_size=read("hidden_size"), q_lora_rank=read("q_lora_rank"),
+                   num_blocks=num_blocks, rope_dim=read("qk_rope_head_dim"),
+                   rope_theta=read("rope_theta"),
+                   rope_scaling=rope_scaling_from_hf(config.get("rope_scaling")),
+                   device=device, dtype=dtype)
+
+    def load_checkpoint(self, state_dict: Mapping[str, Tensor], prefix: str = "") -> None:
+        """Loads this layer's weights from a checkpoint state dict as DeepSeek V3.2 ships it.
+
+        Reads the keys under ``prefix`` (e.g. ``"model.layers.3.self_attn.indexer."``) and
+        ignores the others. ``wq_b.weight`` and ``wk.weight`` may be fp8 e4m3 with fp32
+        ``.weight_scale_inv`` scales, one per 128x128 block; they are dequantised to the
+        layer's dtype. A missing, unexpected or wrong-shaped key raises ``ValueError``.
+        """
+        if prefix and not prefix.endswith("."):
+            prefix += "."
+        own = {key[len(prefix):]: value for key, value in state_dict.items()
+               if key.startswith(prefix)}
+        params = dict(self.named_parameters())
+        values = {name: _checkpoint_weight(own, prefix, name, param)
+                  for name, param in params.items()}
+        scales = {f"{name}_scale_inv" for name, param in params.items() if param.ndim == 2
+                  and own[name].dtype == torch.float8_e4m3fn}
+        unexpected = sorted(set(own) - set(params) - scales)
+        if unexpected:
+            raise ValueError(f"Indexer.load_checkpoint: unexpected keys "
+                             f"{[prefix + key for key in unexpected]}")
+        with torch.no_grad():
+            for name, value in values.items():
+                params[name].copy_(value)
 
     def forward(
         self,
@@ -132,11 +206,11 @@ class Indexer(nn.Module):
         q = rearrange(self.wq_b(q_latent), "t (h d) -> t h d", d=self.cfg.head_dim)
         k = self.k_norm(self.wk(hidden))
         cos_sin = self.rope_cos_sin[positions.long()]
-        q = _neox_rope(q, cos_sin.unsqueeze(1), self.rope_dim)
-        k = _neox_rope(k, cos_sin, self.rope_dim)
+        q = neox_rope(q, cos_sin.unsqueeze(1), self.rope_dim)
+        k = neox_rope(k, cos_sin, self.rope_dim)
         if self.hadamard is not None:
             q, k = q @ self.hadamard, k @ self.hadamard
-        return q, k, self.weights_proj(hidden)
+        return q, k, F.linear(hidden.float(), self.weights_proj.weight.float())
 
     def _decode_topk(self, q_fp8: Tensor, head_weights: Tensor, meta: DecodeMetadata) -> Tensor:
         cfg = self.cfg
@@ -183,23 +257,6 @@ class Indexer(nn.Module):
         return indices
 
 
-def _rope_table(max_len: int, rope_dim: int, theta: float, device) -> Tensor:
-    """fp32 ``[max_len, rope_dim]``: cos of each frequency, then its sin."""
-    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64, device=device)
-                         / rope_dim)
-    angles = torch.arange(max_len, dtype=torch.float64, device=device)[:, None] * inv_freq
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
-
-
-def _neox_rope(x: Tensor, cos_sin: Tensor, rope_dim: int) -> Tensor:
-    """NeoX-style rotation of the first ``rope_dim`` dims of ``x`` (halves, not pairs)."""
-    half = rope_dim // 2
-    cos, sin = cos_sin[..., :half], cos_sin[..., half:]
-    x1, x2 = x[..., :half].float(), x[..., half:rope_dim].float()
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-    return torch.cat([rotated, x[..., rope_dim:]], dim=-1)
-
-
 def _hadamard(dim: int, device, dtype: torch.dtype) -> Tensor:
     """The orthonormal Sylvester-Hadamard matrix of order ``dim`` (a power of two)."""
     if dim & (dim - 1):
@@ -209,3 +266,32 @@ def _hadamard(dim: int, device, dtype: torch.dtype) -> Tensor:
     while h.shape[0] < dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h * dim**-0.5).to(device=device, dtype=dtype)
+
+
+def _checkpoint_weight(own: Mapping[str, Tensor], prefix: str, name: str, param: Tensor
+                       ) -> Tensor:
+    """Checkpoint tensor ``name`` checked against ``param``, dequantised when it is fp8."""
+    value = _checkpoint_tensor(own, prefix, name, tuple(param.shape))
+    if param.ndim == 2 and value.dtype == torch.float8_e4m3fn:
+        rows, cols = param.shape
+        blocks = (math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK))
+        scale = _checkpoint_tensor(own, prefix, f"{name}_scale_inv", blocks).float()
+        scale = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+        value = value.float() * scale[:rows, :cols].to(value.device)
+    elif not value.is_floating_point() or value.dtype.itemsize < 2:
+        raise ValueError(f"Indexer.load_checkpoint: {prefix + name!r} has dtype {value.dtype}, "
+                         "expected bf16/fp16/fp32 (or fp8 e4m3 with block scales for a linear "
+                         "weight)")
+    return value.to(param.dtype)
+
+
+def _checkpoint_tensor(own: Mapping[str, Tensor], prefix: str, name: str,
+                       shape: tuple[int, ...]) -> Tensor:
+    if name not in own:
+        raise ValueError(f"Indexer.load_checkpoint: missing key {prefix + name!r} "
+                         f"(expected shape {list(shape)})")
+    value = own[name]
+    if tuple(value.shape) != shape:
+        raise ValueError(f"Indexer.load_checkpoint: {prefix + name!r} has shape "
+                         f"{list(value.shape)}, expected {list(shape)}")
+    return value
