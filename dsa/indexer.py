@@ -46,6 +46,10 @@ class Indexer(nn.Module):
     paged cache (a buffer of this module). ``weights_proj``, kept and computed in fp32, gives
     the head weights. ``rope_scaling``: YaRN for the RoPE table, ``None`` for plain RoPE.
 
+    ``num_blocks``: blocks of the K cache, ``cfg.num_blocks`` by default (they must agree
+    when both are given). Set ``cfg.num_blocks``: the metadata built from ``cfg`` then keeps
+    every selection off block ids outside the cache (without it, such keys only get slot -1).
+
     Weights load from a DeepSeek state dict: ``wq_b.weight``, ``wk.weight``,
     ``k_norm.weight``, ``k_norm.bias``, ``weights_proj.weight`` (``load_state_dict``), or
     from a checkpoint as shipped, fp8 block-scaled weights included (``load_checkpoint``).
@@ -57,7 +61,7 @@ class Indexer(nn.Module):
         *,
         hidden_size: int,
         q_lora_rank: int,
-        num_blocks: int,
+        num_blocks: int | None = None,
         rope_dim: int = 64,
         rope_theta: float = 10000.0,
         rope_scaling: YarnScaling | None = None,
@@ -66,6 +70,11 @@ class Indexer(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__()
+        if num_blocks is None:
+            num_blocks = cfg.num_blocks
+        if num_blocks is None or (cfg.num_blocks is not None and num_blocks != cfg.num_blocks):
+            raise ValueError(f"Indexer: num_blocks must be given here or in the config, and "
+                             f"agree; got {num_blocks} and cfg.num_blocks={cfg.num_blocks}")
         if cfg.kpool is not None:
             raise ValueError("Indexer: the kpool tail is a storage-only cache; build its slot "
                              "mapping with build_decode_metadata and write it elsewhere")
@@ -125,7 +134,7 @@ class Indexer(nn.Module):
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len, num_heads=read("index_n_heads"),
                             head_dim=read("index_head_dim"), topk=read("index_topk"),
-                            **cfg_overrides)
+                            num_blocks=num_blocks, **cfg_overrides)
         return cls(cfg, hidden_size=read("hidden_size"), q_lora_rank=read("q_lora_rank"),
                    num_blocks=num_blocks, rope_dim=read("qk_rope_head_dim"),
                    rope_theta=read("rope_theta"),
