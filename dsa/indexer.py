@@ -183,7 +183,10 @@ class Indexer(nn.Module):
         """
         cfg = self.cfg
         self._check_inputs(hidden, q_latent, positions, meta)
-        q, k, weights = self._project(hidden, q_latent, positions)
+        # A position outside [0, max_model_len) must not index past the RoPE table; such a
+        # token writes no K and selects nothing (meta.valid_tokens).
+        rope_positions = positions.long().clamp(0, cfg.max_model_len - 1)
+        q, k, weights = self._project(hidden, q_latent, rope_positions)
         ops.quantize_and_cache_k(k, self.kv_cache, meta.slot_mapping, ue8m0=cfg.ue8m0_scales)
         q_fp8, head_weights = ops.quantize_q(q, weights, ue8m0=cfg.ue8m0_scales)
         if isinstance(meta, DecodeMetadata):
