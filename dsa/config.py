@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +42,11 @@ class IndexerConfig:
             (one row per query token, any next_n), or "auto" (native iff next_n <= 2).
         workspace_rows: prefill K workspace rows; ``None``: ``40 * max_model_len``.
         max_logits_bytes: prefill logits budget per chunk (default 512 MiB).
+        num_blocks: blocks of the indexer K cache, when known. Decode metadata then stays
+            within the cache, and the debug checks reject block ids outside it.
+        debug: check values that only the device knows (with a host sync; not inside CUDA-graph
+            capture, skipped while torch.compile traces). Default: ``DSA_DEBUG=1`` in the
+            environment at construction.
     """
 
     max_num_reqs: int
@@ -63,15 +69,24 @@ class IndexerConfig:
     decode_layout: str = "auto"
     workspace_rows: int | None = None
     max_logits_bytes: int = 512 * 1024 * 1024
+    num_blocks: int | None = None
+    debug: bool = field(default_factory=lambda: os.environ.get("DSA_DEBUG") == "1")
 
     def __post_init__(self) -> None:
         for name in ("max_num_reqs", "max_num_batched_tokens", "max_model_len", "num_heads",
                      "head_dim", "topk", "block_size", "next_n", "compress_ratio", "dcp_world",
                      "dcp_interleave", "max_logits_bytes"):
             _positive(name, getattr(self, name))
-        for name in ("kernel_block_size", "kpool", "workspace_rows"):
+        for name in ("kernel_block_size", "kpool", "workspace_rows", "num_blocks"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if self.compress_ratio > self.max_model_len:
+            raise ValueError(
+                f"IndexerConfig: compress_ratio must be <= max_model_len={self.max_model_len} "
+                f"(else no sequence has a compressed state to select), got {self.compress_ratio}"
+            )
+        if not isinstance(self.debug, bool):
+            raise ValueError(f"IndexerConfig: debug must be a bool, got {self.debug!r}")
         if isinstance(self.dcp_rank, bool) or not isinstance(self.dcp_rank, int) or not (
             0 <= self.dcp_rank < self.dcp_world
         ):

@@ -8,6 +8,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from dsa._pytree import pytree_dataclass
 from dsa.config import IndexerConfig
 from dsa.meta.decode import DecodeMetadata
 from dsa.meta.prefill import PrefillMetadata
@@ -15,6 +16,7 @@ from dsa.meta.prefill import PrefillMetadata
 ops = torch.ops.dsa
 
 
+@pytree_dataclass()
 @dataclass(frozen=True)
 class IndexerOutput:
     """What sparse MLA consumes from the indexer.
