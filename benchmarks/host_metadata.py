@@ -33,6 +33,8 @@ def host_built_decode_metadata(cfg: IndexerConfig, batch: Batch, query_start_loc
     if padding:
         extra = num_reqs + torch.arange(padding, device=device, dtype=torch.int32)
         requests = torch.cat([requests, extra])
+    positions = batch.positions
+    valid = (requests < num_reqs) & (positions >= 0) & (positions < cfg.max_model_len)
     schedule = None
     if deepgemm_paged_supported(device, cfg.num_heads, cfg.head_dim, cfg.block_size, cfg.next_n):
         schedule = deep_gemm().get_paged_mqa_logits_metadata(
@@ -46,7 +48,8 @@ def host_built_decode_metadata(cfg: IndexerConfig, batch: Batch, query_start_loc
         block_table=batch.block_table,
         request_block_table=batch.block_table,
         token_requests=requests,
-        slot_mapping=batch.slot_mapping,
+        valid_tokens=valid,
+        slot_mapping=torch.where(valid, batch.slot_mapping, -1),
         kpool_slot_mapping=None,
         schedule=schedule,
         max_context_len=max_context_len(cfg),

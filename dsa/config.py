@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,9 +41,13 @@ class IndexerConfig:
         decode_layout: "native" ([B, next_n] rows, DeepGEMM's layout for next_n <= 2), "flat"
             (one row per query token, any next_n), or "auto" (native iff next_n <= 2).
         num_blocks: blocks of the indexer K cache. When set, decode lengths stop at the first
-            block-table entry outside the cache, so no key there is read or selected.
+            block-table entry outside the cache, so no key there is read or selected, and
+            the value checks reject such entries.
         workspace_rows: prefill K workspace rows; ``None``: ``40 * max_model_len``.
         max_logits_bytes: prefill logits budget per chunk (default 512 MiB).
+        debug: check values that only the device knows (with a host sync; not inside CUDA-graph
+            capture, skipped while torch.compile traces). Default: ``DSA_DEBUG=1`` in the
+            environment at construction.
     """
 
     max_num_reqs: int
@@ -66,6 +71,7 @@ class IndexerConfig:
     num_blocks: int | None = None
     workspace_rows: int | None = None
     max_logits_bytes: int = 512 * 1024 * 1024
+    debug: bool = field(default_factory=lambda: os.environ.get("DSA_DEBUG") == "1")
 
     def __post_init__(self) -> None:
         for name in ("max_num_reqs", "max_num_batched_tokens", "max_model_len", "num_heads",
@@ -75,6 +81,13 @@ class IndexerConfig:
         for name in ("kernel_block_size", "kpool", "num_blocks", "workspace_rows"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if self.compress_ratio > self.max_model_len:
+            raise ValueError(
+                f"IndexerConfig: compress_ratio must be <= max_model_len={self.max_model_len} "
+                f"(else no sequence has a compressed state to select), got {self.compress_ratio}"
+            )
+        if not isinstance(self.debug, bool):
+            raise ValueError(f"IndexerConfig: debug must be a bool, got {self.debug!r}")
         if isinstance(self.dcp_rank, bool) or not isinstance(self.dcp_rank, int) or not (
             0 <= self.dcp_rank < self.dcp_world
         ):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from dsa._pytree import pytree_dataclass
 from dsa.config import IndexerConfig
 from dsa.meta.decode import DecodeMetadata
 from dsa.meta.prefill import PrefillMetadata
@@ -23,6 +24,7 @@ ops = torch.ops.dsa
 FP8_BLOCK = 128  # DeepSeek's fp8 checkpoints: one fp32 scale per 128x128 weight block
 
 
+@pytree_dataclass()
 @dataclass(frozen=True)
 class IndexerOutput:
     """What sparse MLA consumes from the indexer.
@@ -193,6 +195,7 @@ class Indexer(nn.Module):
             indices = self._decode_topk(q_fp8, head_weights, meta)
         else:
             indices = self._prefill_topk(q_fp8, head_weights, meta)
+        indices = torch.where(meta.valid_tokens[:, None], indices, -1)
         slots = ops.indices_to_slots(indices, meta.request_block_table, meta.token_requests,
                                      cfg.block_size, self.kv_cache.shape[0])
         return IndexerOutput(indices=indices, slots=slots)

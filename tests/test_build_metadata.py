@@ -124,7 +124,7 @@ def test_decode_metadata_coarsens_kernel_block_table():
     cfg = dsa.IndexerConfig(max_num_reqs=2, max_num_batched_tokens=2, max_model_len=256,
                             block_size=64, kernel_block_size=16, compress_ratio=4)
     kernel_table = torch.tensor([[8, 9, 10, 11], [-1, -1, -1, -1]], dtype=torch.int32)
-    batch = Batch(torch.tensor([0, 1, 2], dtype=torch.int32),
+    batch = Batch(torch.tensor([0, 1, 1], dtype=torch.int32),
                   torch.tensor([8, 0], dtype=torch.int32), kernel_table,
                   torch.full((2,), -1), torch.tensor([7, 0]))
     meta = build_decode_metadata(cfg, batch)

@@ -42,7 +42,9 @@ def test_lone_request_within_logits_budget_but_over_workspace_is_one_piece():
 
 
 def test_zero_length_sequences_make_one_piece():
-    assert split_prefill_chunks([0, 0], [3, 4], BIG, 4) == [(slice(0, 2), slice(0, 7))]
+    """Sequences shorter than the ratio have no K rows: one piece of all their queries."""
+    assert split_prefill_chunks([3, 4], [3, 4], BIG, 4, compress_ratio=8) == [
+        (slice(0, 2), slice(0, 7))]
 
 
 def test_chunk_without_queries_yields_no_piece():
@@ -54,7 +56,7 @@ def test_chunk_without_queries_yields_no_piece():
 def chunking_cases(draw: st.DrawFn):
     n = draw(st.integers(0, 8))
     seq = draw(st.lists(st.integers(0, 60), min_size=n, max_size=n))
-    query = draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))
+    query = [draw(st.integers(0, min(s, 20))) for s in seq]
     return seq, query, draw(st.integers(1, 120)), draw(st.integers(1, 4000))
 
 
@@ -98,6 +100,8 @@ def test_invariants(case):
     (([1], [1], 10, -5), ValueError, "`max_logits_bytes` must be >= 1"),
     (([1.5], [1], 10, 10), TypeError, "`seq_lens` must be a sequence of ints"),
     (([1], [1], 10.0, 10), TypeError, "`workspace_rows` must be an int"),
+    (([4, 2], [4, 3], 10, 10), ValueError, "`seq_lens` of request 1 must be >= its query "
+                                           "length 3, got 2"),
 ])
 def test_validation_errors(args, error, match):
     with pytest.raises(error, match=match):

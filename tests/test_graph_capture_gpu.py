@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -185,3 +186,56 @@ def test_reduce_overhead_mode_captures_without_skips(backend):
                 assert shared.sum() >= 0.99 * (g >= 0).sum()
                 assert torch.equal(g >= 0, w >= 0)
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+def test_readme_step_returns_live_indexer_outputs_that_survive_the_next_replay():
+    """The README's step returns ``dsa.IndexerOutput``: replay cuts it to the live tokens and
+    clones it, so a second replay leaves the first result as it was, equal to eager."""
+    torch._dynamo.reset()
+    cfg = dsa.IndexerConfig(max_num_reqs=4, max_num_batched_tokens=64, max_model_len=1024,
+                            next_n=2, topk=64)
+    layer = dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, num_blocks=64,
+                        device="cuda")
+    eager_layer = copy.deepcopy(layer)
+
+    def step(batch, hidden, q_latent):
+        meta = dsa.build_decode_metadata(cfg, batch)
+        return layer(hidden, q_latent, batch.positions, meta)
+
+    width = table_width(cfg)
+    runner = DecodeGraphRunner(
+        step, cfg, table_width=width, sizes=(4,),
+        token_inputs={"hidden": ((HIDDEN,), torch.bfloat16),
+                      "q_latent": ((Q_LORA_RANK,), torch.bfloat16)},
+        compile_backend="aot_eager",
+    )
+    runner.capture()
+    rng = random.Random(3)
+    first_live = random_decode_batch(rng, cfg, 3, device="cuda", uneven=False)  # 6 tokens
+    second_live = random_decode_batch(rng, cfg, 4, device="cuda")
+    first_x, second_x = token_inputs(first_live.num_tokens), token_inputs(second_live.num_tokens)
+    first = runner.replay(first_live, **first_x)
+    kept = dsa.IndexerOutput(first.indices.clone(), first.slots.clone())
+    runner.replay(second_live, **second_x)
+
+    assert isinstance(first, dsa.IndexerOutput)
+    assert first.indices.shape == first.slots.shape == (6, cfg.topk)  # not the 8 of the bucket
+    assert torch.equal(first.indices, kept.indices) and torch.equal(first.slots, kept.slots)
+    padded = pad_batch(first_live, 4, 4 * cfg.next_n, width)
+    padded_x = {k: torch.cat([v, v.new_zeros(padded.num_tokens - len(v), v.shape[1])])
+                for k, v in first_x.items()}
+    meta = dsa.build_decode_metadata(cfg, padded)
+    want = eager_layer(padded_x["hidden"], padded_x["q_latent"], padded.positions, meta)
+    assert torch.equal(first.indices, want.indices[:6])
+    assert torch.equal(first.slots, want.slots[:6])
+
+
+def test_debug_mode_checks_device_batches():
+    """``debug=True`` reads device values with a sync and raises on an impossible batch."""
+    cfg = make_cfg(next_n=2, debug=True)
+    live = random_decode_batch(random.Random(0), cfg, 2, device="cuda")
+    bad = dsa.Batch(live.query_start_loc, torch.zeros_like(live.seq_lens), live.block_table,
+                    live.slot_mapping, live.positions)
+    with pytest.raises(ValueError, match="`seq_lens` of request 0 must be >= its query length"):
+        dsa.build_decode_metadata(cfg, bad)
+    dsa.build_decode_metadata(dataclasses.replace(cfg, debug=False), bad)  # not read: no sync

@@ -10,6 +10,7 @@ buffer, so its in-place write does not make cudagraph trees skip the graph).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +37,10 @@ class DecodeGraphRunner:
         sizes: batch buckets; default ``capture_sizes(cfg.max_num_reqs)``.
         compile_backend: ``torch.compile`` backend ("inductor"; "aot_eager" keeps eager
             numerics bit for bit), or ``None`` to capture the step uncompiled.
+        device: a CUDA device (on the CPU, call the compiled step directly).
+
+    The step may return any pytree of tensors, ``dsa``'s dataclasses included
+    (``IndexerOutput``, ``DecodeMetadata``); see ``live_outputs``.
     """
 
     def __init__(
@@ -49,9 +54,12 @@ class DecodeGraphRunner:
         compile_backend: str | None = "inductor",
         device: torch.device | str = "cuda",
     ) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"DecodeGraphRunner: CUDA graphs need a CUDA device, got "
+                             f"{self.device}; on the CPU, call the compiled step directly")
         self.cfg = cfg
         self.sizes = tuple(sorted(sizes or capture_sizes(cfg.max_num_reqs)))
-        self.device = torch.device(device)
         self.step = step
         if compile_backend is not None:
             self.step = torch.compile(step, fullgraph=True, dynamic=False,
@@ -89,11 +97,8 @@ class DecodeGraphRunner:
         return bucket_for(num_reqs, self.sizes)
 
     def replay(self, live: Batch, **token_inputs: Tensor) -> Any:
-        """Runs ``live`` through its bucket's graph; returns the outputs of the real tokens.
-
-        Token-major outputs (leading dim = the bucket's token capacity) are cut to the live
-        tokens; every output is cloned, since the next replay overwrites the graph's own.
-        """
+        """Runs ``live`` through its bucket's graph; returns the outputs of the real tokens
+        (``live_outputs``: cut to the live tokens and cloned)."""
         size = self.bucket(live.num_reqs)
         if size not in self._graphs:
             raise RuntimeError(f"DecodeGraphRunner: bucket {size} is not captured; call "
@@ -102,16 +107,31 @@ class DecodeGraphRunner:
         static.load(live, **token_inputs)
         graph, outputs = self._graphs[size]
         graph.replay()
-        capacity, live_tokens = static.num_tokens, live.num_tokens
+        return live_outputs(outputs, static.num_tokens, live.num_tokens)
 
-        def cut(x: Any) -> Any:
-            if not isinstance(x, Tensor):
-                return x
-            if x.dim() and x.shape[0] == capacity:
-                x = x[:live_tokens]
-            return x.clone()
 
-        return tree_map(cut, outputs)
+def live_outputs(outputs: Any, capacity: int, live_tokens: int) -> Any:
+    """A copy of a replay's ``outputs`` (any pytree) that the next replay cannot overwrite.
+
+    Every tensor is cloned; a token-major one (leading dim = the bucket's token
+    ``capacity``) keeps only its first ``live_tokens`` rows. Dataclasses must be pytree nodes
+    (``dsa``'s are); any other one would come back uncut and shared, so it raises.
+    """
+
+    def cut(x: Any) -> Any:
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            raise TypeError(
+                f"DecodeGraphRunner: the step returned a {type(x).__name__}, a dataclass that "
+                "is not a pytree node, so its tensors cannot be cut and cloned; register it "
+                "(torch.utils._pytree.register_dataclass) or return its tensors"
+            )
+        if not isinstance(x, Tensor):
+            return x
+        if x.dim() and x.shape[0] == capacity:
+            x = x[:live_tokens]
+        return x.clone()
+
+    return tree_map(cut, outputs)
 
 
 def _fill_warmup_batch(static: StaticBatch, next_n: int) -> None:

@@ -10,6 +10,7 @@ from torch import Tensor
 from dsa.meta.batch import Batch
 
 TokenInputs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+INTEGER_DTYPES = (torch.int32, torch.int64)
 
 
 class StaticBatch:
@@ -45,7 +46,13 @@ class StaticBatch:
         return self.batch.num_tokens
 
     def load(self, live: Batch, **inputs: Tensor) -> None:
-        """Copies ``live`` (and its token inputs) in, padding to capacity."""
+        """Copies ``live`` (and its token inputs) in, padding to capacity.
+
+        ``live`` must be consistent (integer tensors, ``len(seq_lens) + 1`` offsets, one
+        block-table row per request, one position per slot) and fit; each token input has one
+        row per live token and the trailing shape, dtype and device it was declared with.
+        """
+        _check_live(live)
         reqs, tokens = live.num_reqs, live.num_tokens
         width = live.block_table.shape[1]
         static = self.batch
@@ -60,6 +67,8 @@ class StaticBatch:
         if inputs.keys() != self.inputs.keys():
             raise ValueError(f"StaticBatch.load: expected token inputs {sorted(self.inputs)}, "
                              f"got {sorted(inputs)}")
+        for name, value in inputs.items():
+            _check_token_input(name, value, self.inputs[name], tokens)
         qsl = static.query_start_loc
         qsl[: reqs + 1].copy_(live.query_start_loc)
         qsl[reqs + 1 :].copy_(live.query_start_loc[reqs:].expand(self.num_reqs - reqs))
@@ -79,6 +88,44 @@ def pad_batch(live: Batch, num_reqs: int, num_tokens: int, table_width: int | No
                          device=live.seq_lens.device)
     static.load(live)
     return static.batch
+
+
+def _check_live(live: Batch) -> None:
+    dims = {"query_start_loc": 1, "seq_lens": 1, "block_table": 2, "slot_mapping": 1,
+            "positions": 1}
+    for name, ndim in dims.items():
+        t = getattr(live, name)
+        if not isinstance(t, Tensor) or t.dtype not in INTEGER_DTYPES:
+            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"StaticBatch.load: `{name}` must be an int32 or int64 tensor, "
+                            f"got {got}")
+        if t.dim() != ndim:
+            raise ValueError(f"StaticBatch.load: `{name}` must have {ndim} dimension(s), got "
+                             f"shape {tuple(t.shape)}")
+    rows = {"query_start_loc": (live.num_reqs + 1, "len(seq_lens) + 1"),
+            "block_table": (live.num_reqs, "len(seq_lens)"),
+            "positions": (live.num_tokens, "len(slot_mapping)")}
+    for name, (want, what) in rows.items():
+        got = getattr(live, name).shape[0]
+        if got != want:
+            raise ValueError(f"StaticBatch.load: `{name}` must have {want} rows ({what}), "
+                             f"got {got}")
+
+
+def _check_token_input(name: str, value: object, buffer: Tensor, tokens: int) -> None:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"StaticBatch.load: token input `{name}` must be a torch.Tensor, got "
+                        f"{type(value).__name__}")
+    want = (tokens, *buffer.shape[1:])
+    if tuple(value.shape) != want:
+        raise ValueError(f"StaticBatch.load: token input `{name}` must have shape {want} (one "
+                         f"row per live token), got {tuple(value.shape)}")
+    if value.dtype != buffer.dtype:
+        raise TypeError(f"StaticBatch.load: token input `{name}` must be {buffer.dtype}, got "
+                        f"{value.dtype}")
+    if value.device != buffer.device:
+        raise ValueError(f"StaticBatch.load: token input `{name}` must be on {buffer.device}, "
+                         f"got {value.device}")
 
 
 def _copy_padded(dst: Tensor, src: Tensor, fill: int) -> None:

@@ -7,12 +7,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dsa._pytree import pytree_dataclass
 from dsa.config import IndexerConfig
-from dsa.ops._checks import INDEX_DTYPES, POSITION_DTYPES, check_size, check_tensor
+from dsa.ops._checks import (
+    INDEX_DTYPES,
+    POSITION_DTYPES,
+    check_size,
+    check_tensor,
+    values_readable,
+)
 
 ops = torch.ops.dsa
 
 
+@pytree_dataclass()
 @dataclass(frozen=True)
 class Batch:
     """The engine's per-step inputs (for decode: at the captured batch's capacity).
@@ -40,7 +48,6 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
-
 
 
 def check_batch(op: str, cfg: IndexerConfig, batch: Batch) -> None:
@@ -77,16 +84,97 @@ def check_batch(op: str, cfg: IndexerConfig, batch: Batch) -> None:
     check_size(op, "positions", positions, 0, slots.shape[0], "len(slot_mapping)")
 
 
-def indexer_table_and_slots(cfg: IndexerConfig, batch: Batch) -> tuple[Tensor, Tensor]:
+def check_batch_values(op: str, cfg: IndexerConfig, batch: Batch, *, decode: bool) -> None:
+    """Raises on an impossible batch (SPEC §9), reading its values where that is free.
+
+    Host tensors (not fake) are always checked. Device tensors are checked only in the debug
+    mode (``cfg.debug``), which copies them to the host: a sync, so a debug step cannot be
+    captured in a CUDA graph; under torch.compile the check is skipped while tracing.
+
+    Checks: ``query_start_loc`` starts at 0, never decreases and ends within the tokens;
+    ``seq_lens`` >= 0 and >= each request's query length; a decode request has at most
+    ``next_n`` tokens; real tokens' positions are in ``[0, max_model_len)``; with
+    ``cfg.num_blocks``, the indexer blocks each request spans are in ``[0, num_blocks)``.
+    """
+    if not values_readable(batch.query_start_loc, debug=cfg.debug):
+        return
+    where = f"dsa.{op}:"
+    qsl, seq, positions = (t.cpu().long()
+                           for t in (batch.query_start_loc, batch.seq_lens, batch.positions))
+    if qsl[0] != 0:
+        raise ValueError(f"{where} `query_start_loc` must start at 0, got {int(qsl[0])}")
+    query_lens = qsl[1:] - qsl[:-1]
+    if (r := _first(query_lens < 0)) is not None:
+        raise ValueError(f"{where} `query_start_loc` must be non-decreasing, got "
+                         f"{int(qsl[r + 1])} after {int(qsl[r])} (request {r})")
+    if qsl[-1] > batch.num_tokens:
+        raise ValueError(f"{where} `query_start_loc` must end at most at the {batch.num_tokens} "
+                         f"tokens of the batch (len(slot_mapping)), got {int(qsl[-1])}")
+    if (r := _first(seq < 0)) is not None:
+        raise ValueError(f"{where} `seq_lens` must be >= 0, got {int(seq[r])} for request {r}")
+    if (r := _first(seq < query_lens)) is not None:
+        raise ValueError(f"{where} `seq_lens` of request {r} must be >= its query length "
+                         f"{int(query_lens[r])}, got {int(seq[r])}")
+    if decode and (r := _first(query_lens > cfg.next_n)) is not None:
+        raise ValueError(f"{where} decode request {r} must have at most next_n={cfg.next_n} "
+                         f"query tokens, got {int(query_lens[r])}")
+    real = torch.arange(positions.numel()) < qsl[-1]
+    outside = real & ((positions < 0) | (positions >= cfg.max_model_len))
+    if (t := _first(outside)) is not None:
+        raise ValueError(f"{where} `positions` of real token {t} must be in [0, max_model_len="
+                         f"{cfg.max_model_len}), got {int(positions[t])}")
+    if cfg.num_blocks is not None:
+        _check_block_ids(where, cfg, batch.block_table.cpu(), seq)
+
+
+def _check_block_ids(where: str, cfg: IndexerConfig, table: Tensor, seq: Tensor) -> None:
+    """The indexer blocks each request's states span must be in ``[0, cfg.num_blocks)``."""
+    factor = cfg.table_factor
+    if factor > 1:
+        table = ops.compress_block_table(table, factor)
+    per_block = cfg.block_size * cfg.dcp_world
+    needed = (seq // cfg.compress_ratio + per_block - 1) // per_block
+    used = torch.arange(table.shape[1]) < needed[:, None]
+    bad = used & ((table < 0) | (table >= cfg.num_blocks))
+    if (rc := _first(bad)) is not None:
+        r, c = rc
+        raise ValueError(
+            f"{where} `block_table` row {r} (request {r}) must map its first {int(needed[r])} "
+            f"indexer blocks into [0, num_blocks={cfg.num_blocks}), got indexer block "
+            f"{int(table[r, c])} at column {c * factor}"
+        )
+
+
+def _first(mask: Tensor) -> int | tuple[int, ...] | None:
+    """Index of the first True entry of a host mask (a tuple for 2-D masks), or None."""
+    hits = mask.nonzero()
+    if not hits.shape[0]:
+        return None
+    first = tuple(int(i) for i in hits[0])
+    return first[0] if mask.dim() == 1 else first
+
+
+def valid_tokens(cfg: IndexerConfig, batch: Batch, token_requests: Tensor) -> Tensor:
+    """bool ``[T]``: a real token (request id below ``num_reqs``) at a position in
+    ``[0, max_model_len)``; elementwise, no sync."""
+    positions = batch.positions
+    return (token_requests < batch.num_reqs) & (positions >= 0) & (
+        positions < cfg.max_model_len
+    )
+
+
+def indexer_table_and_slots(cfg: IndexerConfig, batch: Batch, valid: Tensor
+                            ) -> tuple[Tensor, Tensor]:
     """The indexer's block table per request (coarsened by ``cfg.table_factor``) and the
-    slot each token's indexer K goes to (compressed states when R > 1; -1: nowhere)."""
+    slot each token's indexer K goes to (compressed states when R > 1; -1: nowhere, which
+    every token outside ``valid`` gets)."""
     table = batch.block_table
     if cfg.table_factor > 1:
         table = ops.compress_block_table(table, cfg.table_factor)
-    if cfg.compress_ratio == 1:
-        return table, batch.slot_mapping
-    slots = ops.compressed_slot_mapping(
-        batch.query_start_loc, batch.seq_lens, table, batch.num_tokens, cfg.block_size,
-        cfg.compress_ratio, cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
-    )
-    return table, slots
+    slots = batch.slot_mapping
+    if cfg.compress_ratio > 1:
+        slots = ops.compressed_slot_mapping(
+            batch.query_start_loc, batch.seq_lens, table, batch.num_tokens, cfg.block_size,
+            cfg.compress_ratio, cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
+        )
+    return table, torch.where(valid, slots, -1)

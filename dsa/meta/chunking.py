@@ -1,7 +1,8 @@
 """Prefill chunking (design §5): which requests and queries the indexer handles at once.
 
-Requests are packed greedily, in order, while the chunk's gathered K fits the workspace
-(``sum(seq) <= workspace_rows``) and its fp32 logits fit the budget
+A request's K rows are its compressed states, ``seq // compress_ratio`` (``seq`` with no
+compression). Requests are packed greedily, in order, while the chunk's gathered K fits the
+workspace (``sum(seq) <= workspace_rows``) and its fp32 logits fit the budget
 (``sum(query) * sum(seq) * 4 <= max_logits_bytes``). A request that fits in no chunk on its
 own becomes a chunk by itself. Each chunk is then cut along its queries into pieces of
 ``max(1, (max_logits_bytes // 4) // sum(seq))`` queries (one piece when ``sum(seq) == 0``),
@@ -43,18 +44,27 @@ def split_prefill_chunks(
     query_lens: Sequence[int],
     workspace_rows: int,
     max_logits_bytes: int,
+    *,
+    compress_ratio: int = 1,
 ) -> list[tuple[slice, slice]]:
     """Plans the prefill chunks of a batch of requests.
 
-    Returns ``(requests, queries)`` pairs: a slice of request indices, and a slice of query
-    tokens counted from the first query token of those requests. Pieces of one chunk share
-    the same request slice and cover its queries in order.
+    ``seq_lens`` are token counts (each including its query); a request's K rows are
+    ``seq_lens // compress_ratio``. Returns ``(requests, queries)`` pairs: a slice of request
+    indices, and a slice of query tokens counted from the first query token of those
+    requests. Pieces of one chunk share the same request slice and cover its queries in order.
     """
-    seqs = _lengths("seq_lens", seq_lens)
+    tokens = _lengths("seq_lens", seq_lens)
     queries = _lengths("query_lens", query_lens)
-    if len(seqs) != len(queries):
+    if len(tokens) != len(queries):
         raise ValueError(f"dsa.split_prefill_chunks: `seq_lens` and `query_lens` must have "
-                         f"the same length, got {len(seqs)} and {len(queries)}")
+                         f"the same length, got {len(tokens)} and {len(queries)}")
+    for r, (s, q) in enumerate(zip(tokens, queries)):
+        if q > s:
+            raise ValueError(f"dsa.split_prefill_chunks: `seq_lens` of request {r} must be >= "
+                             f"its query length {q}, got {s}")
+    ratio = _budget("compress_ratio", compress_ratio)
+    seqs = [s // ratio for s in tokens]
     workspace_rows = _budget("workspace_rows", workspace_rows)
     max_logit_elems = _budget("max_logits_bytes", max_logits_bytes) // LOGIT_BYTES
 

@@ -12,13 +12,21 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dsa._pytree import pytree_dataclass
 from dsa.config import IndexerConfig
-from dsa.meta.batch import Batch, check_batch, indexer_table_and_slots
+from dsa.meta.batch import (
+    Batch,
+    check_batch,
+    check_batch_values,
+    indexer_table_and_slots,
+    valid_tokens,
+)
 from dsa.ops.logits import paged_backend
 
 ops = torch.ops.dsa
 
 
+@pytree_dataclass("layout", "next_n", "logits_backend", "max_context_len")
 @dataclass(frozen=True)
 class DecodeMetadata:
     """Everything the indexer's decode leaves need, shared by all layers of a step.
@@ -37,8 +45,12 @@ class DecodeMetadata:
         block_table: int32 indexer block table per logits row (``[B, W']`` or ``[T, W']``).
         request_block_table: int32 ``[B, W']``, the indexer block table per request.
         token_requests: int32 ``[T]``, request of each token; ``B + k`` for padding tokens.
-        slot_mapping: int64 ``[T]``, where each token's indexer K goes (-1: nowhere).
-        kpool_slot_mapping: int64 ``[T]`` kpool tail slots, or ``None`` without a tail cache.
+        valid_tokens: bool ``[T]``, a real token (not padding) at a position in
+            ``[0, max_model_len)``; no other token writes K or selects keys.
+        slot_mapping: int64 ``[T]``, where each token's indexer K goes (-1: nowhere; always
+            -1 outside ``valid_tokens``).
+        kpool_slot_mapping: int64 ``[T]`` kpool tail slots (-1 outside ``valid_tokens``), or
+            ``None`` without a tail cache.
         logits_backend: "deepgemm" or "triton", the paged-logits implementation chosen
             once for the step (``cfg.logits_backend`` resolved for this device and shape).
         schedule: DeepGEMM schedule for ``context_lens`` when DeepGEMM computes the logits.
@@ -53,6 +65,7 @@ class DecodeMetadata:
     block_table: Tensor
     request_block_table: Tensor
     token_requests: Tensor
+    valid_tokens: Tensor
     slot_mapping: Tensor
     kpool_slot_mapping: Tensor | None
     logits_backend: str
@@ -72,17 +85,26 @@ class DecodeMetadata:
 
 
 def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
-    """Builds the decode metadata of one step on the batch's device, without a host sync."""
+    """Builds the decode metadata of one step on the batch's device, without a host sync.
+
+    Batch values are checked where they are on the host, or in the debug mode
+    (``check_batch_values``).
+    """
     check_batch("build_decode_metadata", cfg, batch)
+    check_batch_values("build_decode_metadata", cfg, batch, decode=True)
     qsl, seq_lens = batch.query_start_loc, batch.seq_lens
     num_tokens = batch.num_tokens
     ratio = cfg.compress_ratio
 
-    request_table, slot_mapping = indexer_table_and_slots(cfg, batch)
+    token_requests = ops.decode_row_requests(qsl, num_tokens)
+    valid = valid_tokens(cfg, batch, token_requests)
+    request_table, slot_mapping = indexer_table_and_slots(cfg, batch, valid)
     kpool_slots = None
     if cfg.kpool is not None:
-        kpool_slots = ops.kpool_tail_slot_mapping(qsl, batch.block_table, batch.positions,
-                                                  cfg.kpool)
+        kpool_slots = torch.where(
+            valid, ops.kpool_tail_slot_mapping(qsl, batch.block_table, batch.positions,
+                                               cfg.kpool), -1,
+        )
 
     if cfg.layout == "native":
         global_lens = ops.native_decode_lens(seq_lens, cfg.next_n)
@@ -122,7 +144,8 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
         global_context_lens=global_lens,
         block_table=row_table,
         request_block_table=request_table,
-        token_requests=ops.decode_row_requests(qsl, num_tokens),
+        token_requests=token_requests,
+        valid_tokens=valid,
         slot_mapping=slot_mapping,
         kpool_slot_mapping=kpool_slots,
         logits_backend=backend,

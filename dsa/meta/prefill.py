@@ -12,15 +12,25 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dsa._pytree import pytree_dataclass
 from dsa.config import IndexerConfig
-from dsa.meta.batch import Batch, check_batch, indexer_table_and_slots
+from dsa.meta.batch import (
+    Batch,
+    check_batch,
+    check_batch_values,
+    indexer_table_and_slots,
+    valid_tokens,
+)
 from dsa.meta.chunking import split_prefill_chunks
+from dsa.ops._checks import values_readable
 from dsa.ops.dcp import local_share
 from dsa.ops.logits import ragged_backend
 
 ops = torch.ops.dsa
 
 
+@pytree_dataclass("req_start", "req_end", "token_start", "token_end", "num_rows",
+                  "num_local_rows", "max_seqlen_k", "skip_gather")
 @dataclass(frozen=True)
 class PrefillChunk:
     """One chunk of prefill requests and a slice of their query tokens.
@@ -58,15 +68,19 @@ class PrefillChunk:
     global_lens: Tensor
 
 
+@pytree_dataclass("logits_backend")
 @dataclass(frozen=True)
 class PrefillMetadata:
     """The chunks of a step's prefill requests and where their K goes.
 
     Attributes:
         chunks: chunks in token order; together they cover every prefill query token.
-        slot_mapping: int64 ``[T]`` indexer K-cache slot of each token (-1: nowhere).
+        slot_mapping: int64 ``[T]`` indexer K-cache slot of each token (-1: nowhere; always
+            -1 outside ``valid_tokens``).
         request_block_table: int32 ``[B, W']`` the indexer block table per request.
         token_requests: int32 ``[T]`` request of each token (``B + k`` for padding tokens).
+        valid_tokens: bool ``[T]``, a real token (not padding) at a position in
+            ``[0, max_model_len)``; no other token writes K or selects keys.
         logits_backend: "deepgemm" or "triton", the ragged-logits implementation.
     """
 
@@ -74,6 +88,7 @@ class PrefillMetadata:
     slot_mapping: Tensor
     request_block_table: Tensor
     token_requests: Tensor
+    valid_tokens: Tensor
     logits_backend: str
 
 
@@ -88,9 +103,13 @@ def build_prefill_metadata(
     """Chunks the prefill requests ``[num_decodes, B)`` of ``batch`` and builds each chunk.
 
     ``seq_lens_cpu`` / ``query_start_loc_cpu``: host copies of the batch's lengths, which an
-    engine already has; without them they are copied from the device (one sync).
+    engine already has; without them they are copied from the device (one sync). When
+    given, they are compared with the batch's tensors (one sync; prefill is never captured).
+    Batch values are checked as ``check_batch_values`` does.
     """
-    check_batch("build_prefill_metadata", cfg, batch)
+    op = "build_prefill_metadata"
+    check_batch(op, cfg, batch)
+    check_batch_values(op, cfg, batch, decode=False)
     seq_host = _host_list(seq_lens_cpu if seq_lens_cpu is not None else batch.seq_lens)
     qsl_host = _host_list(
         query_start_loc_cpu if query_start_loc_cpu is not None else batch.query_start_loc
@@ -102,20 +121,26 @@ def build_prefill_metadata(
             f"len(seq_lens_cpu)={len(seq_host)} (want {num_reqs}), "
             f"len(query_start_loc_cpu)={len(qsl_host)} (want {num_reqs + 1})"
         )
+    if (seq_lens_cpu is not None or query_start_loc_cpu is not None) and values_readable(
+        batch.seq_lens, debug=True
+    ):
+        _check_host_copies(batch, seq_host, qsl_host)
     if not 0 <= num_decodes <= num_reqs:
         raise ValueError(f"dsa.build_prefill_metadata: `num_decodes` must be in [0, {num_reqs}], "
                          f"got {num_decodes}")
 
     ratio = cfg.compress_ratio
-    request_table, slot_mapping = indexer_table_and_slots(cfg, batch)
+    token_requests = ops.decode_row_requests(batch.query_start_loc, batch.num_tokens)
+    valid = valid_tokens(cfg, batch, token_requests)
+    request_table, slot_mapping = indexer_table_and_slots(cfg, batch, valid)
 
     states = [s // ratio for s in seq_host]
     local_states = local_share(torch.tensor(states, dtype=torch.int64), cfg.dcp_world,
                                cfg.dcp_rank, cfg.dcp_interleave).tolist()
     query_lens = [qsl_host[r + 1] - qsl_host[r] for r in range(num_reqs)]
     pieces = split_prefill_chunks(
-        states[num_decodes:], query_lens[num_decodes:], cfg.prefill_workspace_rows,
-        cfg.max_logits_bytes,
+        seq_host[num_decodes:], query_lens[num_decodes:], cfg.prefill_workspace_rows,
+        cfg.max_logits_bytes, compress_ratio=ratio,
     )
     chunks = []
     for req_slice, query_slice in pieces:
@@ -149,10 +174,23 @@ def build_prefill_metadata(
         chunks=tuple(chunks),
         slot_mapping=slot_mapping,
         request_block_table=request_table,
-        token_requests=ops.decode_row_requests(batch.query_start_loc, batch.num_tokens),
+        token_requests=token_requests,
+        valid_tokens=valid,
         logits_backend=ragged_backend(cfg.logits_backend, batch.seq_lens.device, cfg.num_heads,
                                       cfg.head_dim),
     )
+
+
+def _check_host_copies(batch: Batch, seq_host: list[int], qsl_host: list[int]) -> None:
+    """The host lengths must equal the batch's tensors (one copy to the host, one compare)."""
+    device = torch.cat([batch.seq_lens, batch.query_start_loc]).cpu().long()
+    if not torch.equal(device, torch.tensor(seq_host + qsl_host, dtype=torch.long)):
+        num_reqs = len(seq_host)
+        raise ValueError(
+            "dsa.build_prefill_metadata: `seq_lens_cpu` and `query_start_loc_cpu` must equal "
+            f"the batch's `seq_lens` and `query_start_loc`, got {seq_host} and {qsl_host} "
+            f"for {device[:num_reqs].tolist()} and {device[num_reqs:].tolist()}"
+        )
 
 
 def _host_list(x: Sequence[int] | Tensor) -> list[int]:

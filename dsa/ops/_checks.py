@@ -118,6 +118,14 @@ def check_nonnegative(op: str, name: str, t: Tensor) -> None:
         raise ValueError(f"dsa.{op}: `{name}` must be >= 0 everywhere, got min {int(t.min())}")
 
 
+def values_readable(t: Tensor, *, debug: bool = False) -> bool:
+    """Whether a value check may read ``t``: a real tensor (not fake or meta, not being traced
+    by torch.compile) on the CPU, or, with ``debug``, on any device (a host sync)."""
+    if torch.compiler.is_compiling() or _is_fake(t) or t.device.type == "meta":
+        return False
+    return debug or t.device.type == "cpu"
+
+
 def _is_fake(t: Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
