@@ -53,8 +53,7 @@ def _fake_deepgemm(mqa_logits) -> types.SimpleNamespace:
 
 def _use(monkeypatch, module) -> None:
     monkeypatch.setattr(deepgemm, "deep_gemm", lambda: module)
-    deepgemm.api_mismatch.cache_clear()
-    monkeypatch.setattr(deepgemm, "api_mismatch", deepgemm.api_mismatch.__wrapped__)
+    monkeypatch.setattr(deepgemm, "_API_CHECK", [])
 
 
 def test_known_api_with_reordered_parameters_is_accepted(monkeypatch):
@@ -112,10 +111,18 @@ def test_keys_on_invalid_blocks_are_never_selected(device):
                           [7, 6, -1, 5, 4, 3, 2, 1],
                           [2**30, 1, 2, 3, 4, 5, 6, 7]])
     layer, batch = _layer_and_batch(device, cfg, table, [300, 400, 200])
-    meta = dsa.build_decode_metadata(cfg, batch)
-    assert meta.context_lens.view(-1).tolist() == [64, 128, 0]
-    out = layer(torch.randn(3, 64, device=device, dtype=torch.bfloat16),
-                torch.randn(3, 32, device=device, dtype=torch.bfloat16), batch.positions, meta)
+
+    def step(batch, hidden, q_latent):
+        meta = dsa.build_decode_metadata(cfg, batch)
+        return meta.context_lens, layer(hidden, q_latent, batch.positions, meta)
+
+    if device == "cpu":  # host values are checked; the device path is what compiles
+        with pytest.raises(ValueError, match=r"indexer block 9 at column 1"):
+            dsa.build_decode_metadata(cfg, batch)
+        step = torch.compile(step, fullgraph=True, backend="aot_eager")
+    lens, out = step(batch, torch.randn(3, 64, device=device, dtype=torch.bfloat16),
+                     torch.randn(3, 32, device=device, dtype=torch.bfloat16))
+    assert lens.view(-1).tolist() == [64, 128, 0]
     indices, slots = out.indices.cpu(), out.slots.cpu()
     for row, cap in enumerate([64, 128, 0]):
         picked = indices[row][indices[row] >= 0]
@@ -183,3 +190,37 @@ def test_torch_face_on_cuda_rounds_scales_like_ieee_division(num_tokens):
     assert torch.equal(q_cuda[1].cpu(), q_cpu[1])
     assert torch.equal(values.cpu().view(torch.uint8), q_cpu[0].view(num_tokens, 128)
                        .view(torch.uint8))
+
+
+# --- tokens that must not write or select ------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_out_of_range_positions_and_padding_tokens_write_and_select_nothing(device):
+    """Token 1's position is max_model_len (past the RoPE table), token 2's is negative,
+    token 3 is padding whose slot points into request 0's live block: none writes K or
+    selects a key, nothing crashes, and token 0 still works."""
+    cfg = dsa.IndexerConfig(max_num_reqs=3, max_num_batched_tokens=4, max_model_len=256,
+                            num_heads=64, head_dim=128, topk=32, block_size=64, num_blocks=8)
+    table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [1, 2, 3, 4]])
+    layer, batch = _layer_and_batch(device, cfg, table, [100, 200, 50])
+    batch = dsa.Batch(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+                      block_table=batch.block_table,
+                      slot_mapping=torch.tensor([99, 300, 130, 5], device=device),
+                      positions=torch.tensor([99, 256, -3, 5], device=device))
+    before = layer.kv_cache.clone()
+
+    def step(batch, hidden, q_latent):
+        return layer(hidden, q_latent, batch.positions, dsa.build_decode_metadata(cfg, batch))
+
+    if device == "cpu":
+        step = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out = step(batch, torch.randn(4, 64, device=device, dtype=torch.bfloat16),
+               torch.randn(4, 32, device=device, dtype=torch.bfloat16))
+    written = (layer.kv_cache != before).view(8, -1).any(dim=1).nonzero().view(-1).tolist()
+    assert written == [1]  # block 1 holds token 0's slot 99; nothing else changed
+    values, _ = dsa.ops.kcache.kcache_views(layer.kv_cache)
+    assert torch.equal(values.view(torch.uint8)[0, 5], before.view(8, -1)[0, 5 * 128:6 * 128])
+    indices = out.indices.cpu()
+    assert (indices[1:] == -1).all() and (out.slots.cpu()[1:] == -1).all()
+    assert sorted(indices[0][indices[0] >= 0].tolist()) != []

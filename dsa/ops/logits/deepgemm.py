@@ -136,10 +136,20 @@ def parameter_names(fn: Callable) -> tuple[str, ...] | None:
     return None
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
 def api_mismatch() -> str | None:
-    """Why the installed DeepGEMM's API is not the one dsa calls, or None when it is."""
-    module = deep_gemm()
+    """Why the installed DeepGEMM's API is not the one dsa calls, or None when it is.
+
+    Checked once; under ``torch.compile`` the answer is a trace-time constant."""
+    if not _API_CHECK:
+        _API_CHECK.append(_api_mismatch(deep_gemm()))
+    return _API_CHECK[0]
+
+
+_API_CHECK: list[str | None] = []
+
+
+def _api_mismatch(module: ModuleType) -> str | None:
     for fn_name, wanted in API.items():
         fn = getattr(module, fn_name, None)
         if fn is None:

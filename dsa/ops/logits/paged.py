@@ -298,8 +298,8 @@ def paged_backend(backend: str, device: torch.device, num_heads: int, head_dim: 
                   block_size: int, next_n: int) -> str:
     """"deepgemm" or "triton": the implementation ``backend`` ("auto", "triton" or
     "deepgemm") runs for this shape on ``device``."""
-    reason = deepgemm.paged_unsupported_reason(device, num_heads, head_dim, block_size, next_n)
-    return choose_backend("paged_mqa_logits", backend, reason)
+    return choose_backend("paged_mqa_logits", backend, lambda: deepgemm.paged_unsupported_reason(
+        device, num_heads, head_dim, block_size, next_n))
 
 
 def paged_logits(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,

@@ -246,8 +246,8 @@ def _mqa_deepgemm_cuda(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: T
 
 def ragged_backend(backend: str, device: torch.device, num_heads: int, head_dim: int) -> str:
     """"deepgemm" or "triton": the implementation ``backend`` runs for this shape."""
-    reason = deepgemm.mqa_unsupported_reason(device, num_heads, head_dim)
-    return choose_backend("mqa_logits", backend, reason)
+    return choose_backend("mqa_logits", backend,
+                          lambda: deepgemm.mqa_unsupported_reason(device, num_heads, head_dim))
 
 
 def ragged_logits(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, ks: Tensor,
