@@ -1,4 +1,4 @@
-"""The indexer's RoPE (SPEC §10): cos/sin tables, plain or YaRN-scaled, and NeoX rotation."""
+"""The indexer's RoPE (design §10): cos/sin tables, plain or YaRN-scaled, and NeoX rotation."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_s
 
 @dataclass(frozen=True)
 class YarnScaling:
-    """DeepSeek's YaRN rope scaling (SPEC §10), as a Hugging Face ``rope_scaling`` gives it.
+    """DeepSeek's YaRN rope scaling (design §10), as a Hugging Face ``rope_scaling`` gives it.
 
     Applied whenever it is set, whatever ``max_model_len`` is, as serving engines do
     (DeepSeek's own reference applies it only past ``original_max_position_embeddings``).

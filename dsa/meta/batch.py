@@ -85,7 +85,7 @@ def check_batch(op: str, cfg: IndexerConfig, batch: Batch) -> None:
 
 
 def check_batch_values(op: str, cfg: IndexerConfig, batch: Batch, *, decode: bool) -> None:
-    """Raises on an impossible batch (SPEC §9), reading its values where that is free.
+    """Raises on an impossible batch (design §9), reading its values where that is free.
 
     Host tensors (not fake) are always checked. Device tensors are checked only in the debug
     mode (``cfg.debug``), which copies them to the host: a sync, so a debug step cannot be
