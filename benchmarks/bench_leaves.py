@@ -2,12 +2,12 @@
 
     python benchmarks/bench_leaves.py [--out BENCHMARKS.md]
 
-For each (B, next_n, L) with H=64, D=128, block 64, full contexts: ``paged_mqa_logits`` with
-the Triton and DeepGEMM backends, ``topk_indices`` vs masked ``torch.topk`` (the -inf fill
-past each row's length that DeepGEMM's junk needs, then the top-k) and vs ``torch.topk``
-alone on logits already masked, and the HBM floor (K-cache bytes / measured copy
-bandwidth). Every time is taken inside a CUDA graph, as a decode step runs. Prints one
-table; with ``--out``, appends it as a section of that file.
+For each (B, next_n, L) with H=64, D=128, block 64, full contexts: dsa's Triton
+``paged_mqa_logits`` and DeepGEMM's ``paged_mqa_logits_deepgemm``, ``topk_indices`` vs
+masked ``torch.topk`` (the -inf fill past each row's length that DeepGEMM's junk needs,
+then the top-k) and vs ``torch.topk`` alone on logits already masked, and the HBM floor
+(K-cache bytes / measured copy bandwidth). Every time is taken inside a CUDA graph, as a
+decode step runs. Prints one table; with ``--out``, appends it as a section of that file.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import torch
 
 import dsa
-from dsa.ops._deepgemm import deepgemm_paged_supported
+from dsa.ops.logits.deepgemm import deepgemm_paged_supported
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _report import copy_bandwidth_bytes_per_s, graph_us, markdown_table, report
@@ -30,7 +30,7 @@ ops = torch.ops.dsa
 
 
 def random_cache(num_blocks: int) -> torch.Tensor:
-    """A K cache of random fp8 values and positive scales, in the SPEC §2 layout."""
+    """A K cache of random fp8 values and positive scales, in the design §2 layout."""
     cache = torch.empty(num_blocks, BS, 1, D + 4, dtype=torch.uint8, device="cuda")
     flat = cache.view(num_blocks, BS * (D + 4))
     values = torch.randn(num_blocks, BS * D, device="cuda").to(torch.float8_e4m3fn)
@@ -50,17 +50,14 @@ def bench_shape(batch: int, next_n: int, length: int, bandwidth: float) -> list[
     lens = (length - next_n + 1 + torch.arange(next_n, device="cuda", dtype=torch.int32))
     lens = lens.expand(batch, next_n).contiguous()
 
-    def logits(backend: str, schedule=None):
-        return ops.paged_mqa_logits(q, cache, weights, lens, table, length, backend=backend,
-                                    schedule=schedule)
-
-    triton_us = graph_us(lambda: logits("triton"))
+    args = (q, cache, weights, lens, table, length)
+    triton_us = graph_us(lambda: ops.paged_mqa_logits(*args))
     deepgemm_us = None
     if deepgemm_paged_supported(cache.device, H, D, BS, next_n):
         schedule = ops.paged_mqa_schedule(lens, BS)
-        deepgemm_us = graph_us(lambda: logits("deepgemm", schedule))
+        deepgemm_us = graph_us(lambda: ops.paged_mqa_logits_deepgemm(*args, schedule))
 
-    scores = logits("triton")  # -inf past each row's length (full rows here)
+    scores = ops.paged_mqa_logits(*args)  # -inf past each row's length (full rows here)
     cols = torch.arange(length, device="cuda")
     dsa_topk_us = graph_us(lambda: ops.topk_indices(scores, lens, TOPK))
     torch_topk_us = graph_us(lambda: torch.topk(scores, TOPK, dim=-1))

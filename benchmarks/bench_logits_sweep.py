@@ -5,7 +5,7 @@ launch is captured ten times in one CUDA graph and the replay timed with
 ``triton.testing.do_bench`` (median), so Python launch overhead does not count. Printed per
 shape: the fastest configs, the current default (``paged_logits_config``), DeepGEMM (kernel
 only, schedule precomputed) when it imports, and the HBM floor (K-cache bytes / 4.3 TB/s).
-Every config is first checked against the torch backend on one shape.
+Every config is first checked against dsa's CPU face (plain torch) on one shape.
 
     python benchmarks/bench_logits_sweep.py [--top 5]
 """
@@ -22,8 +22,8 @@ import triton
 from triton.testing import do_bench
 
 import dsa  # noqa: F401  (registers torch.ops.dsa)
-from dsa.ops import _deepgemm
-from dsa.ops.logits import PagedLogitsConfig, paged_logits_config, paged_logits_triton
+from dsa.ops.logits import deepgemm
+from dsa.ops.logits.paged import PagedLogitsConfig, paged_logits_config, paged_logits_triton
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 64, 128, 64
 HBM_BYTES_PER_S = 4.3e12
@@ -89,10 +89,11 @@ def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def check_configs(configs: list[PagedLogitsConfig]) -> list[PagedLogitsConfig]:
-    """Configs that run and match the torch backend; a mismatch raises, a config the GPU
-    cannot launch (e.g. out of shared memory) is dropped with a note."""
+    """Configs that run and match the CPU face (plain torch, on CPU copies); a mismatch
+    raises, a config the GPU cannot launch (e.g. out of shared memory) is dropped with a
+    note."""
     inputs, context = make_inputs(*CHECK_SHAPE, seed=1)
-    want = torch.ops.dsa.paged_mqa_logits(*inputs, context, backend="torch")
+    want = torch.ops.dsa.paged_mqa_logits(*(t.cpu() for t in inputs), context).cuda()
     valid = torch.isfinite(want)
     runnable = []
     for config in configs:
@@ -102,12 +103,12 @@ def check_configs(configs: list[PagedLogitsConfig]) -> list[PagedLogitsConfig]:
             print(f"skipping {config}: {error}")
             continue
         if not torch.equal(torch.isneginf(got), ~valid):
-            raise AssertionError(f"{config}: -inf mask differs from the torch backend")
+            raise AssertionError(f"{config}: -inf mask differs from the CPU face")
         error = relative_error(got[valid], want[valid])
         if not error < 1e-5:
-            raise AssertionError(f"{config}: relative error {error:.2e} against torch")
+            raise AssertionError(f"{config}: relative error {error:.2e} against the CPU face")
         runnable.append(config)
-    print(f"checked {len(runnable)} configs against the torch backend on {CHECK_SHAPE}")
+    print(f"checked {len(runnable)} configs against the CPU face on {CHECK_SHAPE}")
     return runnable
 
 
@@ -122,10 +123,10 @@ def bench_shape(shape, configs, device, top):
     default = paged_logits_config(batch, next_n, HEADS, context)
     default_us = time_us(functools.partial(run, config=default))
     dg_us = float("nan")
-    if _deepgemm.deepgemm_paged_supported(device, HEADS, HEAD_DIM, BLOCK_SIZE, next_n):
+    if deepgemm.deepgemm_paged_supported(device, HEADS, HEAD_DIM, BLOCK_SIZE, next_n):
         schedule = torch.ops.dsa.paged_mqa_schedule(inputs[3], BLOCK_SIZE)
-        dg_us = time_us(functools.partial(torch.ops.dsa.paged_mqa_logits, *inputs, context,
-                                          backend="deepgemm", schedule=schedule))
+        dg_us = time_us(functools.partial(torch.ops.dsa.paged_mqa_logits_deepgemm, *inputs,
+                                          context, schedule))
     print(f"\nB={batch} N={next_n} L={context}: floor {floor_us:.1f} us, "
           f"DeepGEMM {dg_us:.1f} us, default {default_us:.1f} us {default}")
     for us, config in times[:top]:
@@ -146,7 +147,7 @@ def main() -> None:
         {c for cs in per_shape.values() for c in cs},
         key=lambda c: (c.tile, c.num_warps, c.num_stages, c.tiles_per_program))))
     per_shape = {shape: [c for c in cs if c in runnable] for shape, cs in per_shape.items()}
-    dg = _deepgemm.deepgemm_paged_supported(device, HEADS, HEAD_DIM, BLOCK_SIZE, 1)
+    dg = deepgemm.deepgemm_paged_supported(device, HEADS, HEAD_DIM, BLOCK_SIZE, 1)
     print(f"device {torch.cuda.get_device_name()}, DeepGEMM {'yes' if dg else 'no'}")
     summary = [bench_shape(shape, configs, device, args.top)
                for shape, configs in per_shape.items()]

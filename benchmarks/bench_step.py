@@ -28,11 +28,10 @@ HIDDEN, Q_LORA_RANK = 7168, 1536  # DeepSeek V3.2
 
 
 def bench_shape(batch: int, length: int) -> list[object]:
+    blocks = batch * -(-length // 64)
     cfg = dsa.IndexerConfig(max_num_reqs=batch, max_num_batched_tokens=batch,
-                            max_model_len=length)
-    blocks = batch * cfg.max_blocks_per_req
-    layer = dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, num_blocks=blocks,
-                        device="cuda")
+                            max_model_len=length, num_blocks=blocks)
+    layer = dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, device="cuda")
     layer.kv_cache.copy_(random_cache(blocks))
     table = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
     seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)

@@ -5,7 +5,7 @@
 For each (B, next_n, L) (rows = B * next_n, k = 2048) and two length patterns (~U[L/2, L]
 and all L), logits are a ``[rows, L]`` view of a 256-aligned buffer with junk (NaN, inf,
 huge values) past each row's length, as DeepGEMM leaves them. Every variant of
-:func:`dsa.ops.topk.launch_topk` is checked with the test suite's top-k checker, then timed
+:func:`dsa.ops.topk.indices.launch_topk` is checked with the test suite's top-k checker, then timed
 with ``triton.testing.do_bench`` (median, µs, eager launches: includes host launch cost when
 it exceeds the device time); the baseline is ``torch.topk`` on the logits with invalid
 columns set to -inf. Then ``torch.ops.dsa.topk_indices`` itself (the default variant
@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 from _report import markdown_table  # noqa: E402
 from test_topk import check_topk  # noqa: E402
 
-from dsa.ops.topk import choose_parts, launch_topk  # noqa: E402
+from dsa.ops.topk.indices import choose_parts, launch_topk  # noqa: E402
 
 TOPK = 2048
 SHAPES = [(1, 1, 4096), (1, 1, 65536), (8, 1, 32768), (32, 1, 32768), (64, 1, 65536),

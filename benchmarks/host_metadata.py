@@ -13,7 +13,7 @@ from torch import Tensor
 
 from dsa import Batch, DecodeMetadata, IndexerConfig
 from dsa.meta.decode import max_context_len
-from dsa.ops._deepgemm import deep_gemm, deepgemm_paged_supported, num_sms
+from dsa.ops.logits import deepgemm, paged_backend
 
 
 def host_built_decode_metadata(cfg: IndexerConfig, batch: Batch, query_start_loc_cpu: Tensor
@@ -35,10 +35,13 @@ def host_built_decode_metadata(cfg: IndexerConfig, batch: Batch, query_start_loc
         requests = torch.cat([requests, extra])
     positions = batch.positions
     valid = (requests < num_reqs) & (positions >= 0) & (positions < cfg.max_model_len)
+    backend = paged_backend(cfg.logits_backend, device, cfg.num_heads, cfg.head_dim,
+                            cfg.block_size, cfg.next_n)
     schedule = None
-    if deepgemm_paged_supported(device, cfg.num_heads, cfg.head_dim, cfg.block_size, cfg.next_n):
-        schedule = deep_gemm().get_paged_mqa_logits_metadata(
-            context_lens.clamp(min=1), cfg.block_size, num_sms(device))
+    if backend == "deepgemm":
+        schedule = deepgemm.call("get_paged_mqa_logits_metadata",
+                                 context_lens=context_lens.clamp(min=1), block_kv=cfg.block_size,
+                                 num_sms=deepgemm.num_sms(device))
     return DecodeMetadata(
         layout="native",
         next_n=cfg.next_n,
@@ -51,6 +54,7 @@ def host_built_decode_metadata(cfg: IndexerConfig, batch: Batch, query_start_loc
         valid_tokens=valid,
         slot_mapping=torch.where(valid, batch.slot_mapping, -1),
         kpool_slot_mapping=None,
+        logits_backend=backend,
         schedule=schedule,
         max_context_len=max_context_len(cfg),
     )

@@ -7,12 +7,14 @@
 - ``"fake"``: the op as tracing runs it, under FakeTensorMode (shapes and checks only).
 
 Outputs always come back as CPU tensors. ``KERNEL_MARK`` marks kernel-face tests (``gpu``
-on a CUDA machine, ``interpret`` elsewhere); ``CPU_EXAMPLES`` / ``KERNEL_EXAMPLES`` are the
+on a CUDA machine, ``interpret`` elsewhere); ``FACE_NAMES`` parametrizes a test over the
+CPU and kernel faces with that mark; ``CPU_EXAMPLES`` / ``KERNEL_EXAMPLES`` are the
 hypothesis budgets of the two (the interpreter costs ~1 ms per Triton program).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -24,6 +26,13 @@ from dsa.ops import FACES
 
 HAS_CUDA = torch.cuda.is_available()
 KERNEL_MARK = pytest.mark.gpu if HAS_CUDA else pytest.mark.interpret
+# ``@pytest.mark.parametrize("face", FACE_NAMES)``: the CPU face and the kernel face.
+FACE_NAMES = ("cpu", pytest.param("kernel", marks=KERNEL_MARK))
+
+
+def i32(x: Any) -> torch.Tensor:
+    """An int32 CPU tensor of ``x`` (a number or nested lists)."""
+    return torch.tensor(x, dtype=torch.int32)
 
 
 def _to(x: Any, device: str) -> Any:
@@ -51,6 +60,33 @@ def run_op(face: str, name: str, *args: Any) -> Any:
     if HAS_CUDA:
         return _to(getattr(torch.ops.dsa, name)(*_to(args, "cuda")), "cpu")
     return FACES[name].cuda(*args)
+
+
+def opcheck_test(cases: Sequence[tuple], *, op: str | None = None) -> Callable:
+    """A test running ``torch.library.opcheck`` on each (op name, args) of ``cases`` (each
+    args alone with ``op``). Assign it to a ``test_*`` name of the test module."""
+    cases = [(op, args) for args in cases] if op is not None else list(cases)
+
+    @pytest.mark.parametrize(("name", "args"), cases)
+    def test(name: str, args: tuple) -> None:
+        torch.library.opcheck(getattr(torch.ops.dsa, name), args)
+
+    return test
+
+
+def validation_test(cases: Sequence[tuple], *, op: str | None = None) -> Callable:
+    """A test: each (op name, args, error type, message pattern) of ``cases`` (without the
+    name with ``op``) raises that error eagerly (the CPU face) and at trace time (the fake
+    face runs the same checks). Assign it to a ``test_*`` name of the test module."""
+    cases = [(op, *case) for case in cases] if op is not None else list(cases)
+
+    @pytest.mark.parametrize(("name", "args", "error", "match"), cases)
+    @pytest.mark.parametrize("face", ["cpu", "fake"])
+    def test(name: str, args: tuple, error: type[Exception], match: str, face: str) -> None:
+        with pytest.raises(error, match=match):
+            run_op(face, name, *args)
+
+    return test
 
 
 CPU_EXAMPLES = settings(max_examples=250)

@@ -1,8 +1,8 @@
-"""Float64 references of the indexer compute (SPEC §2-§3), written from the SPEC text.
+"""Float64 references of the indexer compute (design §2-§3), written from docs/design.md.
 
 Nothing here uses dsa: fp8 e4m3 codes are decoded from their bit fields, the cache is read
-and written byte by byte at the offsets SPEC §2 gives, and the logits are the formula of
-SPEC §3 in float64 numpy. Arrays in, arrays out (convert torch tensors with ``.numpy()``).
+and written byte by byte at the offsets design §2 gives, and the logits are the formula of
+design §3 in float64 numpy. Arrays in, arrays out (convert torch tensors with ``.numpy()``).
 """
 
 from __future__ import annotations
@@ -50,23 +50,29 @@ def fp8_encode(x: np.ndarray) -> np.ndarray:
     return (code | np.where(np.signbit(x), 0x80, 0)).astype(np.uint8)
 
 
-# --- quantisation (SPEC §2) -----------------------------------------------------------------
+# --- quantisation (design §2) -----------------------------------------------------------------
+
+
+FP32_MAX = float(np.finfo(np.float32).max)
 
 
 def quantize_row(x: np.ndarray, ue8m0: bool) -> tuple[np.ndarray, np.float32]:
-    """One row's (e4m3 codes, fp32 scale). The division ``x / scale`` is done in fp32, as
-    the kernels do it; the scale is the fp32 rounding of ``amax / 448``."""
+    """One row's (e4m3 codes, fp32 scale). NaN counts as 0 and ±inf as ±fp32 max; the
+    division ``x / scale`` is done in fp32, as the kernels do it; the scale is the fp32
+    rounding of ``amax / 448``."""
+    x = np.nan_to_num(np.asarray(x, dtype=np.float64), nan=0.0, posinf=FP32_MAX,
+                      neginf=-FP32_MAX)
     amax = max(float(np.max(np.abs(x))), AMAX_FLOOR)
     scale = np.float32(amax / FP8_MAX)
     if ue8m0:
         scale = np.float32(2.0 ** math.ceil(math.log2(float(scale))))
-    quotient = np.asarray(x, dtype=np.float32) / scale
+    quotient = x.astype(np.float32) / scale
     return fp8_encode(quotient), scale
 
 
 def quantize_q(q: np.ndarray, weights: np.ndarray, ue8m0: bool
                ) -> tuple[np.ndarray, np.ndarray]:
-    """(codes [T, H, D], head weights [T, H] float64) of SPEC §3's q quantisation."""
+    """(codes [T, H, D], head weights [T, H] float64) of design §3's q quantisation."""
     num_tokens, num_heads, head_dim = q.shape
     codes = np.zeros(q.shape, dtype=np.uint8)
     head_weights = np.zeros((num_tokens, num_heads))
@@ -77,7 +83,35 @@ def quantize_q(q: np.ndarray, weights: np.ndarray, ue8m0: bool
     return codes, head_weights
 
 
-# --- the paged K cache (SPEC §2) -----------------------------------------------------------
+def nonfinite_rows(head_dim: int, seed: int = 0) -> torch.Tensor:
+    """float32 ``[8, head_dim]`` (head_dim >= 8) of random values with a NaN, a +inf, a
+    -inf, a mix of the three, a row of NaN, a row of ±inf, two +inf, and a finite row."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.randn(8, head_dim, generator=torch.Generator().manual_seed(seed)) * 3
+    x[0, 1] = nan
+    x[1, 2] = inf
+    x[2, 0] = -inf
+    x[3, :5] = torch.tensor([nan, inf, -inf, nan, 1e30])
+    x[4] = nan
+    x[5, ::2], x[5, 1::2] = inf, -inf
+    x[6, [3, 7]] = inf
+    return x
+
+
+def check_nonfinite_codes(x: torch.Tensor, codes: np.ndarray, scales: np.ndarray,
+                          ue8m0: bool) -> None:
+    """What non-finite inputs must give: finite scales, NaN -> 0 (0x00), and ±inf the
+    code of ±fp32 max over its row's scale: ±448 (0x7E / 0xFE), or ±256 (0x78 / 0xF8) with
+    ue8m0 scales (fp32 max / 448 rounded up to 2**120)."""
+    x = x.float().numpy()
+    assert np.isfinite(scales).all()
+    top = 0x78 if ue8m0 else 0x7E
+    assert (codes[np.isposinf(x)] == top).all()
+    assert (codes[np.isneginf(x)] == top | 0x80).all()
+    assert (codes[np.isnan(x)] == 0x00).all()
+
+
+# --- the paged K cache (design §2) -----------------------------------------------------------
 
 
 def _value_offset(block: int, offset: int, block_size: int, head_dim: int) -> int:
@@ -120,7 +154,7 @@ def read_cache(cache: np.ndarray, block_size: int, head_dim: int
 
 def gather(cache: np.ndarray, block_size: int, head_dim: int, block_table: np.ndarray,
            cu_seq_lens: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """(codes uint8 [num_rows, D], scales float64 [num_rows]) of SPEC §5's K gather; rows
+    """(codes uint8 [num_rows, D], scales float64 [num_rows]) of design §5's K gather; rows
     of no request or with an invalid block are zero."""
     codes, scales = read_cache(cache, block_size, head_dim)
     out_codes = np.zeros((num_rows, head_dim), dtype=np.uint8)
@@ -138,7 +172,7 @@ def gather(cache: np.ndarray, block_size: int, head_dim: int, block_table: np.nd
     return out_codes, out_scales
 
 
-# --- logits (SPEC §3) -----------------------------------------------------------------------
+# --- logits (design §3) -----------------------------------------------------------------------
 
 
 def _logits(q: np.ndarray, weights: np.ndarray, k: np.ndarray, k_scale: np.ndarray
@@ -191,11 +225,13 @@ def mqa_logits(q: np.ndarray, k: np.ndarray, k_scale: np.ndarray, weights: np.nd
     return out
 
 
-# --- slot transform (SPEC §3) ---------------------------------------------------------------
+# --- slot transform (design §3) ---------------------------------------------------------------
 
 
 def indices_to_slots(indices: np.ndarray, block_table: np.ndarray, row_requests: np.ndarray,
-                     block_size: int) -> np.ndarray:
+                     block_size: int, num_blocks: int) -> np.ndarray:
+    """Cache slot of each selected position; -1 for negative positions, rows of no request,
+    block columns past the table and block entries outside ``[0, num_blocks)``."""
     out = np.full(indices.shape, -1, dtype=np.int64)
     num_reqs, width = block_table.shape
     for t in range(indices.shape[0]):
@@ -205,7 +241,7 @@ def indices_to_slots(indices: np.ndarray, block_table: np.ndarray, row_requests:
             if i < 0 or not 0 <= r < num_reqs or i // block_size >= width:
                 continue
             block = int(block_table[r, i // block_size])
-            if block >= 0:
+            if 0 <= block < num_blocks:
                 out[t, c] = block * block_size + i % block_size
     return out
 

@@ -1,9 +1,10 @@
-"""Slow, obviously-correct loop reference of the metadata in SPEC §4-§7.
+"""Slow, obviously-correct loop reference of the metadata in design §4-§7.
 
-Plain Python on lists, written from the SPEC text and nothing else: one request or one
-token at a time, no vectorisation, no torch. Every metadata op is checked against these.
-Shared conventions: ``qsl`` is ``query_start_loc`` as a list; token ``t`` belongs to
-request ``r`` when ``qsl[r] <= t < qsl[r + 1]``; tokens past ``qsl[-1]`` are padding.
+Plain Python on lists, written from the text of docs/design.md and nothing else: one
+request or one token at a time, no vectorisation, no torch. Every metadata op is checked
+against these. Shared conventions: ``qsl`` is ``query_start_loc`` as a list; token ``t``
+belongs to request ``r`` when ``qsl[r] <= t < qsl[r + 1]``; tokens past ``qsl[-1]`` are
+padding.
 """
 
 from __future__ import annotations
@@ -63,11 +64,28 @@ def decode_row_requests(qsl: Sequence[int], num_tokens: int) -> list[int]:
     return out
 
 
+def cap_context_lens(context_lens: Rows, block_table: Rows, num_blocks: int, block_size: int,
+                     max_context_len: int) -> Rows:
+    """Row r's lengths (negatives 0) cut at ``max_context_len`` and at ``c * block_size``
+    for the first column c that a key of the row needs whose block entry is outside
+    ``[0, num_blocks)`` or past the table: no length reaches a key on an invalid block."""
+    out = []
+    for lens, row in zip(context_lens, block_table, strict=True):
+        lens = [min(max(n, 0), max_context_len) for n in lens]
+        cap = max_context_len
+        for c in range(-(-max(lens, default=0) // block_size)):
+            if c >= len(row) or not 0 <= row[c] < num_blocks:
+                cap = c * block_size
+                break
+        out.append([min(n, cap) for n in lens])
+    return out
+
+
 # --- §6 DCP --------------------------------------------------------------------------------
 
 
 def dcp_local(n: int, world: int, rank: int, interleave: int) -> int:
-    """SPEC §6 formula; negative lengths count as 0."""
+    """design §6 formula; negative lengths count as 0."""
     n = max(n, 0)
     base = (n // interleave // world) * interleave
     rest = n - base * world
@@ -136,11 +154,12 @@ def dcp_state_slots(num_states: int, row: Sequence[int], block_size: int, world:
 
 def kpool_tail_slot_mapping(qsl: Sequence[int], block_table: Rows, positions: Sequence[int],
                             kpool: int) -> list[int]:
-    """block_table[r][0] * kpool + positions[t] % kpool (Python modulo); -1 for padding."""
+    """block_table[r][0] * kpool + positions[t] % kpool; -1 for padding tokens, negative
+    positions and negative block entries."""
     out = []
     for t, p in enumerate(positions):
         owner = token_owner(qsl, t)
-        if owner is None or block_table[owner[0]][0] < 0:
+        if owner is None or p < 0 or block_table[owner[0]][0] < 0:
             out.append(-1)
         else:
             out.append(block_table[owner[0]][0] * kpool + p % kpool)

@@ -2,7 +2,7 @@
 
 A ``BatchSpec`` holds host lists (for the loop reference) and builds the tensors the ops
 take: ``tensors()`` gives the fields of ``dsa.meta.batch.Batch`` in its order, so
-``Batch(*spec.tensors())`` works. Batch order follows SPEC §1: decode requests, then
+``Batch(*spec.tensors())`` works. Batch order follows design §1: decode requests, then
 prefill requests, then padding requests (query_len 0, seq_len 0); ``num_tokens`` is the
 static token capacity, so tokens past the real ones are graph padding.
 """
@@ -65,7 +65,7 @@ class BatchSpec:
 
     @property
     def slot_mapping(self) -> list[int]:
-        """Paged-cache slot of every token (SPEC §1); -1 for graph padding tokens."""
+        """Paged-cache slot of every token (design §1); -1 for graph padding tokens."""
         bs, slots = self.block_size, []
         for r, (q, s) in enumerate(zip(self.query_lens, self.seq_lens)):
             slots += [self.block_table[r][p // bs] * bs + p % bs for p in range(s - q, s)]

@@ -62,7 +62,9 @@ def test_decode_metadata_matches_reference(spec, layout, ratio, dcp, kpool):
         row_table = ref.expand_block_table(qsl, table, spec.num_tokens, spec.width)
     assert meta.layout == layout
     assert as_lists(meta.global_context_lens) == global_lens
-    assert as_lists(meta.context_lens) == [[local(n) for n in row] for row in global_lens]
+    local_lens = [[local(n) for n in row] for row in global_lens]
+    assert as_lists(meta.context_lens) == ref.cap_context_lens(
+        local_lens, row_table, 2**31 - 1, spec.block_size, max_context_len(cfg))
     assert as_lists(meta.block_table) == row_table
     assert as_lists(meta.request_block_table) == table
     assert as_lists(meta.token_requests) == ref.decode_row_requests(qsl, spec.num_tokens)
@@ -77,12 +79,12 @@ def test_decode_metadata_matches_reference(spec, layout, ratio, dcp, kpool):
     else:
         assert as_lists(meta.kpool_slot_mapping) == ref.kpool_tail_slot_mapping(
             qsl, table, spec.positions, kpool)
-    assert meta.schedule is None  # DeepGEMM needs CUDA
+    assert meta.schedule is None and meta.logits_backend == "triton"  # DeepGEMM needs CUDA
     assert meta.max_context_len == -(-(cfg.max_model_len // ratio) // world)
 
 
 def test_decode_metadata_spec_example():
-    """SPEC §4: seq_lens [10, 7, 12, 0], decode_len [3, 1, 4, 0] -> [8,9,10,7,9,10,11,12]."""
+    """design §4: seq_lens [10, 7, 12, 0], decode_len [3, 1, 4, 0] -> [8,9,10,7,9,10,11,12]."""
     cfg = dsa.IndexerConfig(max_num_reqs=4, max_num_batched_tokens=10, max_model_len=64,
                             block_size=16, next_n=4, decode_layout="flat")
     batch = Batch(
@@ -99,7 +101,7 @@ def test_decode_metadata_spec_example():
 
 
 def test_decode_metadata_dcp_localises_after_expansion():
-    """SPEC §6: world 2, rank 1, global per-token [8, 9, 10] -> [4, 4, 5]."""
+    """design §6: world 2, rank 1, global per-token [8, 9, 10] -> [4, 4, 5]."""
     cfg = dsa.IndexerConfig(max_num_reqs=1, max_num_batched_tokens=3, max_model_len=64,
                             block_size=16, next_n=3, dcp_world=2, dcp_rank=1)
     batch = Batch(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([10], dtype=torch.int32),
@@ -111,13 +113,30 @@ def test_decode_metadata_dcp_localises_after_expansion():
 
 
 def test_decode_metadata_compresses_before_localising():
-    """SPEC §6: n = 10, R = 2, W = 2: rank 0 owns states {0, 2, 4} -> 3, not 5 // 2."""
+    """design §6: n = 10, R = 2, W = 2: rank 0 owns states {0, 2, 4} -> 3, not 5 // 2."""
     cfg = dsa.IndexerConfig(max_num_reqs=1, max_num_batched_tokens=1, max_model_len=64,
                             block_size=16, compress_ratio=2, dcp_world=2, dcp_rank=0)
     batch = Batch(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([10], dtype=torch.int32),
                   torch.zeros(1, 1, dtype=torch.int32), torch.full((1,), -1),
                   torch.tensor([9]))
     assert build_decode_metadata(cfg, batch).context_lens.tolist() == [[3]]
+
+
+@pytest.mark.parametrize("layout", ["native", "flat"])
+def test_decode_metadata_caps_lengths_at_unallocated_blocks(layout):
+    """A -1 block-table entry inside a request's context: its lengths stop at that block
+    (cap_context_lens), so no kernel reads and no top-k selects a key there; lengths past
+    the logits width stop at the width."""
+    cfg = dsa.IndexerConfig(max_num_reqs=3, max_num_batched_tokens=6, max_model_len=64,
+                            block_size=16, next_n=2, decode_layout=layout)
+    batch = Batch(torch.tensor([0, 2, 4, 6], dtype=torch.int32),
+                  torch.tensor([40, 64, 20], dtype=torch.int32),
+                  torch.tensor([[3, -1, 5, 6], [0, 1, 2, 4], [-1, 7, 8, 9]], dtype=torch.int32),
+                  torch.full((6,), -1), torch.tensor([38, 39, 62, 63, 18, 19]))
+    meta = build_decode_metadata(cfg, batch)
+    assert meta.global_context_lens.view(-1).tolist() == [39, 40, 63, 64, 19, 20]
+    assert meta.context_lens.view(-1).tolist() == [16, 16, 63, 64, 0, 0]
+    assert meta.logits_backend == "triton"
 
 
 def test_decode_metadata_coarsens_kernel_block_table():
@@ -226,8 +245,27 @@ def test_prefill_metadata_matches_reference(spec, ratio, dcp, budget, rows):
     assert as_lists(meta.token_requests) == ref.decode_row_requests(qsl, spec.num_tokens)
 
 
+@pytest.mark.parametrize("build", ["decode", "prefill"])
+def test_metadata_resolves_the_logits_backend(build):
+    """"auto" and "triton" resolve to dsa's kernel on the CPU; "deepgemm" cannot run there
+    and the build says why."""
+    batch = Batch(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
+                  torch.zeros(1, 1, dtype=torch.int32), torch.full((1,), -1),
+                  torch.tensor([4]))
+    builder = {"decode": build_decode_metadata, "prefill": build_prefill_metadata}[build]
+    for backend in ("auto", "triton"):
+        cfg = dsa.IndexerConfig(max_num_reqs=1, max_num_batched_tokens=1, max_model_len=64,
+                                logits_backend=backend)
+        assert builder(cfg, batch).logits_backend == "triton"
+    cfg = dsa.IndexerConfig(max_num_reqs=1, max_num_batched_tokens=1, max_model_len=64,
+                            logits_backend="deepgemm")
+    with pytest.raises(ValueError, match="backend='deepgemm' cannot run this call: it needs "
+                                         "CUDA tensors"):
+        builder(cfg, batch)
+
+
 def test_prefill_metadata_spec_example():
-    """SPEC §5: query_start_loc [0, 2, 4, 7], seq_lens [5, 9, 4], R = 1."""
+    """design §5: query_start_loc [0, 2, 4, 7], seq_lens [5, 9, 4], R = 1."""
     cfg = dsa.IndexerConfig(max_num_reqs=3, max_num_batched_tokens=7, max_model_len=64,
                             next_n=1)
     batch = Batch(torch.tensor([0, 2, 4, 7], dtype=torch.int32),

@@ -1,4 +1,4 @@
-"""split_prefill_chunks (SPEC §5 chunking) against the loop reference and its invariants."""
+"""split_prefill_chunks (design §5 chunking) against the loop reference and its invariants."""
 
 import pytest
 import reference_meta as ref

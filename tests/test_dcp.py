@@ -1,15 +1,21 @@
-"""dcp_local_lens (SPEC §6) against the loop reference, on both faces."""
+"""dcp_local_lens (design §6) against the loop reference, on both faces."""
 
 import pytest
 import reference_meta as ref
 import torch
-from faces import CPU_EXAMPLES, KERNEL_EXAMPLES, KERNEL_MARK, run_op
+from faces import (
+    CPU_EXAMPLES,
+    FACE_NAMES,
+    KERNEL_EXAMPLES,
+    KERNEL_MARK,
+    i32,
+    opcheck_test,
+    run_op,
+    validation_test,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import dcp_configs
-
-FACE_NAMES = ["cpu", pytest.param("kernel", marks=KERNEL_MARK)]
-i32 = lambda x: torch.tensor(x, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
@@ -28,7 +34,7 @@ def test_spec_localise_the_compressed_length(face):
 @given(n=st.integers(-3, 200), world=st.integers(1, 5), interleave=st.integers(1, 4),
        data=st.data())
 def test_reference_formula_counts_owned_entries(n, world, interleave, data):
-    """The SPEC formula (any interleave) equals a brute-force count of owned entries, and
+    """The design's formula (any interleave) equals a brute-force count of owned entries, and
     the shares of all ranks add up to n."""
     rank = data.draw(st.integers(0, world - 1))
     assert ref.dcp_local(n, world, rank, interleave) == ref.dcp_owned(n, world, rank, interleave)
@@ -81,13 +87,10 @@ def test_non_contiguous_input(face):
     assert run_op(face, "dcp_local_lens", x, 2, 0, 1).tolist() == [[3, 4], [3, 5], [4, 5]]
 
 
-@pytest.mark.parametrize("args", [(i32([3, -1, 10]), 2, 1, 1), (i32([[4], [0]]), 4, 3, 1),
-                                  (i32([]), 1, 0, 1)])
-def test_opcheck(args):
-    torch.library.opcheck(torch.ops.dsa.dcp_local_lens, args)
+test_opcheck = opcheck_test([(i32([3, -1, 10]), 2, 1, 1), (i32([[4], [0]]), 4, 3, 1),
+                             (i32([]), 1, 0, 1)], op="dcp_local_lens")
 
-
-@pytest.mark.parametrize(("args", "error", "match"), [
+test_validation_errors = validation_test([
     ((i32([1]).long(), 2, 0, 1), TypeError, "`lens` must be torch.int32"),
     ((i32([1]).float(), 2, 0, 1), TypeError, "`lens` must be torch.int32"),
     ((i32([1]), 0, 0, 1), ValueError, "`dcp_world` must be >= 1"),
@@ -95,9 +98,4 @@ def test_opcheck(args):
     ((i32([1]), 2, 2, 1), ValueError, "`dcp_rank` must be < dcp_world=2"),
     ((i32([1]), 2, 0, 0), ValueError, "`dcp_interleave` must be >= 1"),
     ((i32([1]), 2, 0, 2), NotImplementedError, "interleave > 1 is not supported"),
-])
-@pytest.mark.parametrize("face", ["cpu", "fake"])
-def test_validation_errors(args, error, match, face):
-    """The same error eagerly and at trace time (the fake face runs the same checks)."""
-    with pytest.raises(error, match=match):
-        run_op(face, "dcp_local_lens", *args)
+], op="dcp_local_lens")

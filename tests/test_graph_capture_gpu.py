@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 import dsa
 from dsa.graphs import DecodeGraphRunner, pad_batch
-from dsa.ops._deepgemm import deepgemm_paged_supported
+from dsa.ops.logits.deepgemm import deepgemm_paged_supported
 from tests.batches import random_decode_batch, table_width
 
 pytestmark = pytest.mark.gpu
@@ -86,13 +86,15 @@ CONFIGS = {
     "compress4": {"next_n": 2, "compress_ratio": 4},
     "next_n1_triton": {"next_n": 1, "logits_backend": "triton"},
     "next_n2_triton": {"next_n": 2, "logits_backend": "triton"},
+    # the cache's block count in the config: lengths capped on the device (cap_context_lens)
+    "next_n2_num_blocks": {"next_n": 2, "num_blocks": max(BUCKETS) * 2048 // 64},
 }
 # (config, compile backend): inductor on the default backends; aot_eager (eager numerics,
 # so the replay is also checked bit for bit against the uncompiled step) on the rest.
 CASES = [("next_n1", "inductor"), ("next_n2_native", "inductor"), ("next_n3_flat", "inductor"),
          ("compress4", "inductor"), ("next_n2_native", "aot_eager"),
          ("next_n3_flat", "aot_eager"), ("next_n1_triton", "aot_eager"),
-         ("next_n2_triton", "aot_eager")]
+         ("next_n2_triton", "aot_eager"), ("next_n2_num_blocks", "inductor")]
 
 
 @pytest.mark.parametrize(("name", "compile_backend"), CASES)

@@ -62,7 +62,7 @@ def reference_projection(layer: dsa.Indexer, hidden, q_latent, positions):
 
 
 def reference_logits(layer, tokens):
-    """Logits of every token over its own request's positions 0..pos, from SPEC §2-§3's
+    """Logits of every token over its own request's positions 0..pos, from design §2-§3's
     quantisation of the float64 projections. ``tokens``: (request, pos, hidden, q_latent)."""
     hidden = torch.stack([t[2] for t in tokens])
     q_latent = torch.stack([t[3] for t in tokens])

@@ -1,5 +1,5 @@
 """The paged fp8 K cache: layout views, dsa::quantize_and_cache_k and dsa::gather_k against
-the byte-level reference of SPEC §2."""
+the byte-level reference of design §2."""
 
 from __future__ import annotations
 
@@ -7,13 +7,11 @@ import numpy as np
 import pytest
 import reference_compute as ref
 import torch
-from faces import HAS_CUDA, KERNEL_MARK, run_op
+from faces import FACE_NAMES, HAS_CUDA, KERNEL_MARK, run_op
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa.ops.kcache import kcache_views
-
-FACE_NAMES = ("cpu", pytest.param("kernel", marks=KERNEL_MARK))
 
 
 def write_cache(face, k, cache, slots, ue8m0=False):
@@ -116,6 +114,28 @@ def test_cache_write_skips_invalid_slots(face):
     slots = torch.tensor([-1, 24, 25, 10**12, -(2**62)])
     write_cache(face, torch.randn(5, 16), cache, slots)
     assert torch.equal(cache, before)
+
+
+@KERNEL_MARK
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cache_write_nonfinite_faces_agree(dtype, ue8m0):
+    """Rows with NaN, +inf, -inf and mixes: both faces write the reference's bytes, bit for
+    bit (values and scales); scales stay finite and inf keeps its sign."""
+    gen = torch.Generator().manual_seed(7)
+    k = ref.nonfinite_rows(16, seed=8).to(dtype)
+    slots = torch.randperm(4 * 4, generator=gen)[:k.shape[0]]
+    cache = random_cache(gen, 4, 4, 16)
+    want = ref.write_cache(cache.numpy(), k.double().numpy(), slots.numpy(), 4, ue8m0)
+    caches = {face: cache.clone() for face in ("cpu", "kernel")}
+    for face, c in caches.items():
+        write_cache(face, k, c, slots, ue8m0)
+        np.testing.assert_array_equal(c.view(-1).numpy(), want)
+    assert torch.equal(caches["cpu"], caches["kernel"])
+    values, scales = kcache_views(caches["cpu"])
+    blk, off = slots // 4, slots % 4
+    ref.check_nonfinite_codes(k, values[blk, off].view(torch.uint8).numpy(),
+                              scales[blk, off].numpy(), ue8m0)
 
 
 def test_cache_write_opcheck():

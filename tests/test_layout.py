@@ -5,15 +5,23 @@ import math
 import pytest
 import reference_meta as ref
 import torch
-from faces import CPU_EXAMPLES, KERNEL_EXAMPLES, KERNEL_MARK, run_op, strided_rows
+from faces import (
+    CPU_EXAMPLES,
+    FACE_NAMES,
+    KERNEL_EXAMPLES,
+    KERNEL_MARK,
+    i32,
+    opcheck_test,
+    run_op,
+    strided_rows,
+    validation_test,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import decode_batches
 
-FACE_NAMES = ["cpu", pytest.param("kernel", marks=KERNEL_MARK)]
 DTYPES = [torch.float8_e4m3fn, torch.float32, torch.bfloat16, torch.int32]
 FEATURES = [(), (3,), (2, 2)]
-i32 = lambda x: torch.tensor(x, dtype=torch.int32)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -173,7 +181,7 @@ QSL = i32([0, 2, 3, 3])
 X = torch.randn(5, 2, 4).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize(("name", "args"), [
+test_opcheck = opcheck_test([
     ("compress_block_table", (i32([[3, 4, -1], [5, 6, 7]]), 2)),
     ("compress_block_table", (strided_rows(i32([[3, 4, -1], [5, 6, 7]])), 1)),
     ("pack_decode_rows", (X, QSL, 2)),
@@ -181,11 +189,8 @@ X = torch.randn(5, 2, 4).to(torch.bfloat16)
     ("unpack_decode_rows", (torch.randn(3, 2, 4), QSL, 5, -1)),
     ("unpack_decode_rows", (torch.zeros(3, 2, dtype=torch.int32), QSL, 4)),
 ])
-def test_opcheck(name, args):
-    torch.library.opcheck(getattr(torch.ops.dsa, name), args)
 
-
-ERROR_CASES = [
+test_validation_errors = validation_test([
     ("compress_block_table", (X, 2), TypeError, "`block_table` must be torch.int32"),
     ("compress_block_table", (i32([1, 2]), 2), ValueError, "`block_table` must have 2 dim"),
     ("compress_block_table", (i32([[1, 2, 3, 4]])[:, ::2], 1), ValueError, r"stride\(1\)"),
@@ -199,12 +204,4 @@ ERROR_CASES = [
     ("unpack_decode_rows", (X[0, 0], QSL, 4), ValueError, r"`y` must be \[num_reqs, next_n"),
     ("unpack_decode_rows", (X[:3], QSL, -1), ValueError, "`num_tokens` must be >= 0"),
     ("unpack_decode_rows", (X[:3].transpose(1, 2), QSL, 4), ValueError, "must be contiguous"),
-]
-
-
-@pytest.mark.parametrize(("name", "args", "error", "match"), ERROR_CASES)
-@pytest.mark.parametrize("face", ["cpu", "fake"])
-def test_validation_errors(name, args, error, match, face):
-    """The same error eagerly and at trace time (the fake face runs the same checks)."""
-    with pytest.raises(error, match=match):
-        run_op(face, name, *args)
+])

@@ -1,6 +1,8 @@
 """dsa::paged_mqa_logits, dsa::mqa_logits and dsa::paged_mqa_schedule against the float64
-reference of SPEC §3: the torch backend (CPU face) and Triton (the kernel face: on the GPU
-when there is one, else under the interpreter), on small shapes."""
+reference of design §3: dsa's own kernel on both faces (plain torch on the CPU face; Triton on
+the kernel face: on the GPU when there is one, else under the interpreter), on small shapes.
+The DeepGEMM ops (``*_deepgemm``) and the Python choosers (``paged_logits``,
+``ragged_logits``) on what the CPU can check: validation and refusal."""
 
 from __future__ import annotations
 
@@ -8,22 +10,16 @@ import numpy as np
 import pytest
 import reference_compute as ref
 import torch
-from faces import HAS_CUDA, KERNEL_MARK, run_op, to_cpu
+from faces import FACE_NAMES, HAS_CUDA, KERNEL_MARK, run_op, to_cpu
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dsa.ops import _deepgemm
-from dsa.ops.logits import (
-    MqaLogitsConfig,
-    PagedLogitsConfig,
-    mqa_logits_triton,
-    paged_logits_triton,
-)
+from dsa.ops import FACES
+from dsa.ops.logits import deepgemm, paged_logits, ragged_logits
+from dsa.ops.logits.paged import PagedLogitsConfig, paged_logits_triton
+from dsa.ops.logits.ragged import MqaLogitsConfig, mqa_logits_triton
 from dsa.ops.quant import quantize_rows
 
-# Faces and the backend each runs: the CPU face in torch, the kernel face (CUDA copies with
-# a GPU, else the CPU tensors under the Triton interpreter) in Triton.
-FACES = ("cpu", pytest.param("kernel", marks=KERNEL_MARK))
-BACKEND = {"cpu": "torch", "kernel": "triton"}
+# The kernel face runs CUDA copies with a GPU, else the CPU tensors under the interpreter.
 # opcheck's test_schema compares inputs with torch.allclose, which CPU fp8 tensors lack;
 # fp8_inputs_unchanged checks the same (no input is mutated) byte for byte.
 OPCHECK_UTILS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
@@ -125,26 +121,26 @@ PAGED_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("face", FACE_NAMES)
 @pytest.mark.parametrize("shape", PAGED_SHAPES)
 def test_paged_logits_match_reference(face, shape):
     pairs = []
     for seed in range(3):
         inputs, max_len, dequantised, exact = paged_case(seed, *shape)
         with ref.poisoned_empty():
-            out = run_op(face, "paged_mqa_logits", *inputs, max_len, BACKEND[face])
+            out = run_op(face, "paged_mqa_logits", *inputs, max_len)
         check_logits(out, dequantised, exact, pairs)
     check_fp8_noise(pairs)
 
 
-@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("face", FACE_NAMES)
 @pytest.mark.parametrize("width", [2, 9])
 def test_paged_logits_invalid_blocks_are_masked(face, width):
     # width 2 is narrower than the contexts; the table holds -1 and out-of-cache entries.
     inputs, max_len, dequantised, exact = paged_case(3, 2, 2, 16, 32, 16, 120, width=width,
                                                      broken_table=True)
     with ref.poisoned_empty():
-        out = run_op(face, "paged_mqa_logits", *inputs, max_len, BACKEND[face])
+        out = run_op(face, "paged_mqa_logits", *inputs, max_len)
     check_logits(out, dequantised, exact)
 
 
@@ -171,19 +167,16 @@ def test_paged_logits_strided_inputs():
     wide_table[:, :table.shape[1]] = table
     for face in ("cpu", "kernel"):
         out = run_op(face, "paged_mqa_logits", q, cache, wide_weights[:, :16], lens,
-                     wide_table[:, :table.shape[1]], max_len, BACKEND[face])
+                     wide_table[:, :table.shape[1]], max_len)
         check_logits(out, dequantised, exact)
 
 
 def test_paged_logits_output_layout():
     inputs, _, _, _ = paged_case(6, 1, 2, 16, 32, 16, 40)
     for max_len in (1, 255, 256, 257):
-        for face in ("cpu", "kernel"):
-            out = run_op(face, "paged_mqa_logits", *inputs, max_len, BACKEND[face])
+        for face in ("cpu", "kernel", "fake"):
+            out = run_op(face, "paged_mqa_logits", *inputs, max_len)
             assert out.shape == (2, max_len) and out.stride() == (_align(max_len), 1)
-        with FakeTensorMode() as mode:
-            fake = torch.ops.dsa.paged_mqa_logits(*map(mode.from_tensor, inputs), max_len)
-        assert fake.shape == (2, max_len) and fake.stride() == (_align(max_len), 1)
 
 
 def fp8_inputs_unchanged(op, args, kwargs) -> None:
@@ -198,12 +191,19 @@ def fp8_inputs_unchanged(op, args, kwargs) -> None:
 def test_paged_logits_opcheck():
     inputs, max_len, _, _ = paged_case(7, 2, 2, 16, 32, 16, 40)
     op = torch.ops.dsa.paged_mqa_logits.default
+    for args in ((*inputs, max_len), on_kernel_device((*inputs, max_len))):
+        torch.library.opcheck(op, args, test_utils=OPCHECK_UTILS)
+        fp8_inputs_unchanged(op, args, {})
+
+
+def test_paged_chooser_runs_dsa_kernel_off_deepgemm():
+    """On the CPU "auto" and "triton" run dsa's own op (a schedule is ignored there)."""
+    inputs, max_len, _, _ = paged_case(8, 2, 2, 16, 32, 16, 40)
+    want = torch.ops.dsa.paged_mqa_logits(*inputs, max_len)
     schedule = torch.ops.dsa.paged_mqa_schedule(inputs[3], 16)
-    for args, kwargs in (((*inputs, max_len), {"backend": "torch"}),
-                         ((*inputs, max_len), {"schedule": schedule}),
-                         (on_kernel_device((*inputs, max_len)), {"backend": "triton"})):
-        torch.library.opcheck(op, args, kwargs, test_utils=OPCHECK_UTILS)
-        fp8_inputs_unchanged(op, args, kwargs)
+    for kwargs in ({}, {"backend": "auto", "schedule": schedule}, {"backend": "triton"}):
+        got = paged_logits(*inputs, max_len, **kwargs)
+        assert torch.equal(got, want) and got.stride() == want.stride()
 
 
 def test_paged_schedule_on_cpu_is_zeros():
@@ -254,48 +254,66 @@ def _paged_args(**changes):
         ({"block_table": torch.zeros(2, 6, dtype=torch.int32)[:, ::2]}, ValueError,
          r"rows must be contiguous \(stride\(1\) == 1\)"),
         ({"max_context_len": -1}, ValueError, "`max_context_len` must be >= 0"),
-        ({"schedule": torch.zeros(3, 2, dtype=torch.int32)}, ValueError,
-         r"`schedule` must have size 2"),
-        ({"backend": "cutlass"}, ValueError, "`backend` must be one of"),
-        ({"backend": "deepgemm"}, ValueError, "backend='deepgemm' cannot run this call: it needs "
-         "CUDA tensors"),
     ],
 )
-def test_paged_logits_validation(changes, error, match):
+@pytest.mark.parametrize("op", ["paged_mqa_logits", "paged_mqa_logits_deepgemm"])
+def test_paged_logits_validation(op, changes, error, match):
+    """Both ops check their arguments alike (before DeepGEMM's own refusal), naming
+    themselves; eagerly and under fake tensors."""
+    reads_values = match == ">= 0"  # value checks read host tensors; fake ones have none
+    match = f"dsa.{op}: .*{match}"
     with pytest.raises(error, match=match):
-        torch.ops.dsa.paged_mqa_logits(**_paged_args(**changes))
-    if match != ">= 0":  # value checks read host tensors; fake tensors have no values
+        getattr(torch.ops.dsa, op)(**_paged_args(**changes))
+    if not reads_values:
         with pytest.raises(error, match=match), FakeTensorMode(allow_non_fake_inputs=True):
-            torch.ops.dsa.paged_mqa_logits(**_paged_args(**changes))
+            getattr(torch.ops.dsa, op)(**_paged_args(**changes))
 
 
-def test_triton_backend_needs_cuda_or_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
-        torch.ops.dsa.paged_mqa_logits(**_paged_args(backend="triton"))
+DEEPGEMM_ON_CPU = "DeepGEMM cannot run this call: it needs CUDA tensors, got cpu tensors"
+
+
+def on_cpu_tensors(face: str, name: str, *args):
+    """Op ``name`` on CPU tensors through one face: the CPU or CUDA face called directly,
+    or the dispatcher under fake tensors."""
+    if face == "fake":
+        return run_op("fake", name, *args)
+    return getattr(FACES[name], face)(*args)
+
+
+@pytest.mark.parametrize("face", ["cpu", "cuda", "fake"])
+def test_paged_deepgemm_refuses_cpu_tensors(face):
+    """The DeepGEMM op on CPU tensors raises on every face, at trace time too."""
+    args = _paged_args().values()
+    with pytest.raises(ValueError, match=f"dsa.paged_mqa_logits_deepgemm: {DEEPGEMM_ON_CPU}"):
+        on_cpu_tensors(face, "paged_mqa_logits_deepgemm", *args)
+    with pytest.raises(ValueError, match=DEEPGEMM_ON_CPU):
+        on_cpu_tensors(face, "paged_mqa_logits_deepgemm", *args,
+                       torch.zeros(2, 2, dtype=torch.int32))
 
 
 def test_deepgemm_shape_reasons():
     cuda = torch.device("cuda")
     cpu = torch.device("cpu")
-    assert "CUDA tensors" in _deepgemm.paged_unsupported_reason(cpu, 64, 128, 64, 1)
-    assert not _deepgemm.deepgemm_paged_supported(cpu, 64, 128, 64, 1)
-    assert not _deepgemm.deepgemm_mqa_supported(cpu, 64, 128)
-    assert _deepgemm.num_sms(cpu) == 1
-    if (torch.cuda.is_available() and _deepgemm.arch_major(cuda) == 9
-            and _deepgemm.deep_gemm() is not None):
-        assert _deepgemm.deepgemm_paged_supported(cuda, 64, 128, 64, 2)
-        assert "next_n" in _deepgemm.paged_unsupported_reason(cuda, 64, 128, 64, 3)
-        assert "num_heads" in _deepgemm.paged_unsupported_reason(cuda, 128, 128, 64, 1)
-        assert "head_dim" in _deepgemm.paged_unsupported_reason(cuda, 64, 256, 64, 1)
-        assert "block_size" in _deepgemm.paged_unsupported_reason(cuda, 64, 128, 32, 1)
+    assert "CUDA tensors" in deepgemm.paged_unsupported_reason(cpu, 64, 128, 64, 1)
+    assert "CUDA tensors" in deepgemm.mqa_unsupported_reason(cpu, 64, 128)
+    assert not deepgemm.deepgemm_paged_supported(cpu, 64, 128, 64, 1)
+    assert not deepgemm.deepgemm_mqa_supported(cpu, 64, 128)
+    assert not deepgemm.schedule_supported(cpu, 64)
+    assert deepgemm.num_sms(cpu) == 1
+    if (torch.cuda.is_available() and deepgemm.arch_major(cuda) == 9
+            and deepgemm.deep_gemm() is not None and deepgemm.api_mismatch() is None):
+        assert deepgemm.deepgemm_paged_supported(cuda, 64, 128, 64, 2)
+        assert "next_n" in deepgemm.paged_unsupported_reason(cuda, 64, 128, 64, 3)
+        assert "num_heads" in deepgemm.paged_unsupported_reason(cuda, 128, 128, 64, 1)
+        assert "head_dim" in deepgemm.paged_unsupported_reason(cuda, 64, 256, 64, 1)
+        assert "block_size" in deepgemm.paged_unsupported_reason(cuda, 64, 128, 32, 1)
 
 
 # --- mqa_logits (ragged prefill) --------------------------------------------------------------
 
 
 def mqa_case(seed, seq_lens, query_lens, heads, head_dim, *, extra_rows=()):
-    """A prefill chunk (SPEC §5 bounds with R = 1) plus optional odd (ks, ke) rows."""
+    """A prefill chunk (design §5 bounds with R = 1) plus optional odd (ks, ke) rows."""
     gen = torch.Generator().manual_seed(seed)
     cu = np.concatenate([[0], np.cumsum(seq_lens)])
     ks, ke = [], []
@@ -340,7 +358,7 @@ MQA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("face", FACE_NAMES)
 @pytest.mark.parametrize("case_args", MQA_CASES)
 @pytest.mark.parametrize("width", ["exact", "short", "long"])
 def test_mqa_logits_match_reference(face, case_args, width):
@@ -350,7 +368,7 @@ def test_mqa_logits_match_reference(face, case_args, width):
     max_seqlen_k = {"exact": longest, "short": max(longest // 2, 1), "long": longest + 70}[width]
     dequantised, exact = mqa_references(case, max_seqlen_k)
     with ref.poisoned_empty():
-        out = run_op(face, "mqa_logits", *case[0], max_seqlen_k, BACKEND[face])
+        out = run_op(face, "mqa_logits", *case[0], max_seqlen_k)
     check_logits(out, dequantised, exact)
 
 
@@ -371,10 +389,17 @@ def test_mqa_logits_triton_configs(config):
 def test_mqa_logits_opcheck():
     case = mqa_case(2, [10, 7], [3, 2], 16, 32)
     op = torch.ops.dsa.mqa_logits.default
-    for args, backend in (((*case[0], 11), "torch"),
-                          (on_kernel_device((*case[0], 11)), "triton")):
-        torch.library.opcheck(op, args, {"backend": backend}, test_utils=OPCHECK_UTILS)
-        fp8_inputs_unchanged(op, args, {"backend": backend})
+    for args in ((*case[0], 11), on_kernel_device((*case[0], 11))):
+        torch.library.opcheck(op, args, test_utils=OPCHECK_UTILS)
+        fp8_inputs_unchanged(op, args, {})
+
+
+def test_ragged_chooser_runs_dsa_kernel_off_deepgemm():
+    case = mqa_case(3, [10, 7], [3, 2], 16, 32)
+    want = torch.ops.dsa.mqa_logits(*case[0], 11)
+    for kwargs in ({}, {"backend": "auto"}, {"backend": "triton"}):
+        got = ragged_logits(*case[0], 11, **kwargs)
+        assert torch.equal(got, want) and got.stride() == want.stride()
 
 
 def _mqa_args(**changes):
@@ -402,9 +427,33 @@ def _mqa_args(**changes):
         ({"ks": torch.zeros(2, dtype=torch.int32)}, ValueError, r"`ks` must have size 3"),
         ({"ke": torch.zeros(3, dtype=torch.int64)}, TypeError, "`ke` must be torch.int32"),
         ({"max_seqlen_k": -2}, ValueError, "`max_seqlen_k` must be >= 0"),
-        ({"backend": "deepgemm"}, ValueError, "cannot run this call"),
     ],
 )
-def test_mqa_logits_validation(changes, error, match):
+@pytest.mark.parametrize("op", ["mqa_logits", "mqa_logits_deepgemm"])
+def test_mqa_logits_validation(op, changes, error, match):
+    match = f"dsa.{op}: .*{match}"
     with pytest.raises(error, match=match):
-        torch.ops.dsa.mqa_logits(**_mqa_args(**changes))
+        getattr(torch.ops.dsa, op)(**_mqa_args(**changes))
+    with pytest.raises(error, match=match), FakeTensorMode(allow_non_fake_inputs=True):
+        getattr(torch.ops.dsa, op)(**_mqa_args(**changes))
+
+
+@pytest.mark.parametrize("face", ["cpu", "cuda", "fake"])
+def test_mqa_deepgemm_refuses_cpu_tensors(face):
+    with pytest.raises(ValueError, match=f"dsa.mqa_logits_deepgemm: {DEEPGEMM_ON_CPU}"):
+        on_cpu_tensors(face, "mqa_logits_deepgemm", *_mqa_args().values())
+
+
+@pytest.mark.parametrize(
+    ("backend", "match"),
+    [("cutlass", "`backend` must be one of"), ("torch", "`backend` must be one of"),
+     ("deepgemm", "backend='deepgemm' cannot run this call: it needs CUDA tensors")],
+)
+@pytest.mark.parametrize("chooser", ["paged", "ragged"])
+def test_chooser_validation(chooser, backend, match):
+    """An unknown backend (the old "torch" included: dsa's CPU face is plain torch) or
+    DeepGEMM where it cannot run: the choosers say so."""
+    choose, args = {"paged": (paged_logits, _paged_args),
+                    "ragged": (ragged_logits, _mqa_args)}[chooser]
+    with pytest.raises(ValueError, match=match):
+        choose(*args().values(), backend=backend)

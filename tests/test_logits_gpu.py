@@ -1,6 +1,7 @@
-"""GPU checks of the indexer logits on realistic shapes (H 64, D 128, bs 64): Triton and
-DeepGEMM against each other and against the float64 reference on sampled rows; backend
-selection; torch.compile and CUDA-graph replay."""
+"""GPU checks of the indexer logits on realistic shapes (H 64, D 128, bs 64): dsa's Triton
+ops (``paged_mqa_logits``, ``mqa_logits``) and the DeepGEMM ops (``*_deepgemm``) against
+each other and against the float64 reference on sampled rows; the choosers
+(``paged_logits``, ``ragged_logits``); torch.compile and CUDA-graph replay."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import reference_compute as ref
 import torch
 
-from dsa.ops import _deepgemm
-from dsa.ops.logits import mqa_logits_triton
+from dsa.ops.logits import deepgemm, paged_backend, paged_logits, ragged_logits
+from dsa.ops.logits.ragged import mqa_logits_triton
 from dsa.ops.quant import quantize_rows
 
 pytestmark = pytest.mark.gpu
@@ -19,7 +20,7 @@ HEADS, HEAD_DIM, BLOCK_SIZE = 64, 128, 64
 
 
 def deepgemm_ready() -> bool:
-    return torch.cuda.is_available() and _deepgemm.deepgemm_paged_supported(
+    return torch.cuda.is_available() and deepgemm.deepgemm_paged_supported(
         torch.device("cuda"), HEADS, HEAD_DIM, BLOCK_SIZE, 1)
 
 
@@ -133,7 +134,7 @@ DECODE_SHAPES = [
 def test_triton_paged_logits(shape):
     case = Decode(0, *shape)
     with ref.poisoned_empty():
-        out = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len, backend="triton")
+        out = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len)
     valid = case.valid()
     assert torch.equal(torch.isneginf(out), ~valid)
     assert torch.isfinite(out[valid]).all()
@@ -145,18 +146,32 @@ def test_triton_paged_logits(shape):
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
 def test_deepgemm_paged_logits(shape):
     case = Decode(1, *shape)
-    out = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len, backend="deepgemm")
+    out = torch.ops.dsa.paged_mqa_logits_deepgemm(*case.inputs, case.max_len)
     assert out.stride() == (_cdiv(case.max_len, 256) * 256, 1)
-    triton_out = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len, backend="triton")
+    triton_out = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len)
     valid = case.valid()
     assert gpu_relative_error(out[valid], triton_out[valid]) < 1e-5
     check_sampled_rows(case, out, masked=False)
     # "auto" picks DeepGEMM here; an explicit schedule gives the same result.
-    auto = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len)
+    auto = paged_logits(*case.inputs, case.max_len)
     assert torch.equal(auto[valid], out[valid])
     schedule = torch.ops.dsa.paged_mqa_schedule(case.context_lens, BLOCK_SIZE)
-    scheduled = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len, schedule=schedule)
+    scheduled = torch.ops.dsa.paged_mqa_logits_deepgemm(*case.inputs, case.max_len, schedule)
     assert torch.equal(scheduled[valid], out[valid])
+    chosen = paged_logits(*case.inputs, case.max_len, backend="deepgemm", schedule=schedule)
+    assert torch.equal(chosen[valid], out[valid])
+
+
+@pytest.mark.deepgemm
+@requires_deepgemm
+def test_deepgemm_paged_schedule_validation():
+    case = Decode(8, 2, 1, 1000)
+    rows = deepgemm.num_sms(torch.device("cuda")) + 1
+    for shape, match in (((3, 2), rf"`schedule` must have size {rows} \(num_sms \+ 1"),
+                         ((rows, 3), r"`schedule` must have size 2 \(")):
+        bad = torch.zeros(shape, dtype=torch.int32, device="cuda")
+        with pytest.raises(ValueError, match=f"dsa.paged_mqa_logits_deepgemm: {match}"):
+            torch.ops.dsa.paged_mqa_logits_deepgemm(*case.inputs, case.max_len, bad)
 
 
 @pytest.mark.deepgemm
@@ -164,18 +179,17 @@ def test_deepgemm_paged_logits(shape):
 def test_deepgemm_paged_logits_repeatable():
     case = Decode(2, 64, 2, 16384)
     valid = case.valid()
-    first = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len, backend="deepgemm")
+    first = torch.ops.dsa.paged_mqa_logits_deepgemm(*case.inputs, case.max_len)
     for _ in range(20):
-        again = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len, backend="deepgemm")
+        again = torch.ops.dsa.paged_mqa_logits_deepgemm(*case.inputs, case.max_len)
         assert torch.equal(again[valid], first[valid])
 
 
 def test_triton_paged_logits_repeatable():
     case = Decode(3, 32, 1, 16384)
-    first = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len, backend="triton")
+    first = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len)
     for _ in range(5):
-        assert torch.equal(first, torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len,
-                                                                  backend="triton"))
+        assert torch.equal(first, torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len))
 
 
 @pytest.mark.parametrize(
@@ -184,33 +198,42 @@ def test_triton_paged_logits_repeatable():
 )
 def test_auto_falls_back_to_triton(batch, next_n, heads, head_dim):
     case = Decode(4, batch, next_n, 3000, heads=heads, head_dim=head_dim)
-    auto = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len)
-    triton_out = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len, backend="triton")
+    assert paged_backend("auto", case.q_fp8.device, heads, head_dim, BLOCK_SIZE,
+                         next_n) == "triton"
+    auto = paged_logits(*case.inputs, case.max_len)
+    triton_out = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len)
     assert torch.equal(auto, triton_out)
     check_sampled_rows(case, auto, masked=True)
     with pytest.raises(ValueError, match="backend='deepgemm' cannot run this call"):
-        torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len, backend="deepgemm")
+        paged_logits(*case.inputs, case.max_len, backend="deepgemm")
+    with pytest.raises(ValueError, match=r"dsa\.paged_mqa_logits_deepgemm: DeepGEMM cannot run"):
+        torch.ops.dsa.paged_mqa_logits_deepgemm(*case.inputs, case.max_len)
 
 
-def test_torch_backend_on_gpu_matches_triton():
+def test_cpu_face_matches_triton():
+    """dsa's op on CPU copies (plain torch) equals its Triton face on the GPU."""
     case = Decode(5, 4, 2, 5000)
-    torch_out = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len, backend="torch")
-    triton_out = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len, backend="triton")
-    valid = case.valid()
-    assert torch.equal(torch.isneginf(torch_out), torch.isneginf(triton_out))
-    assert gpu_relative_error(torch_out[valid], triton_out[valid]) < 1e-6
+    cpu_out = torch.ops.dsa.paged_mqa_logits(*(t.cpu() for t in case.inputs), case.max_len)
+    triton_out = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len).cpu()
+    valid = case.valid().cpu()
+    assert torch.equal(torch.isneginf(cpu_out), torch.isneginf(triton_out))
+    assert gpu_relative_error(cpu_out[valid], triton_out[valid]) < 1e-6
 
 
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 def test_paged_logits_compiled_and_graphed(backend):
-    """A decode step (schedule + logits) under torch.compile(fullgraph=True), then captured
-    in a CUDA graph and replayed on new lengths and a rewritten cache."""
+    """A decode step (schedule + the logits op ``backend`` resolves to, chosen once as
+    ``build_decode_metadata`` does) under torch.compile(fullgraph=True), then captured in
+    a CUDA graph and replayed on new lengths and a rewritten cache."""
     case = Decode(6, 16, 2, 8192)
+    chosen = paged_backend(backend, case.q_fp8.device, HEADS, HEAD_DIM, BLOCK_SIZE, 2)
 
     def step(q, cache, weights, lens, table):
-        schedule = torch.ops.dsa.paged_mqa_schedule(lens, BLOCK_SIZE)
-        return torch.ops.dsa.paged_mqa_logits(q, cache, weights, lens, table, 8192,
-                                              backend=backend, schedule=schedule)
+        args = (q, cache, weights, lens, table, 8192)
+        if chosen == "deepgemm":
+            schedule = torch.ops.dsa.paged_mqa_schedule(lens, BLOCK_SIZE)
+            return torch.ops.dsa.paged_mqa_logits_deepgemm(*args, schedule)
+        return torch.ops.dsa.paged_mqa_logits(*args)
 
     compiled = torch.compile(step, fullgraph=True)
     eager = step(*case.inputs)
@@ -240,7 +263,7 @@ def test_paged_logits_compiled_and_graphed(backend):
 
 
 class Prefill:
-    """A prefill chunk: requests of (seq_len, query_len), SPEC §5 bounds with R = 1."""
+    """A prefill chunk: requests of (seq_len, query_len), design §5 bounds with R = 1."""
 
     def __init__(self, seed, seq_lens, query_lens):
         gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -294,7 +317,7 @@ PREFILL_SHAPES = [
 def test_triton_mqa_logits(shape):
     case = Prefill(0, *shape)
     with ref.poisoned_empty():
-        out = torch.ops.dsa.mqa_logits(*case.inputs, case.max_seqlen_k, backend="triton")
+        out = torch.ops.dsa.mqa_logits(*case.inputs, case.max_seqlen_k)
     valid = case.valid()
     assert torch.equal(torch.isneginf(out), ~valid)
     case.check_sampled_rows(out, masked=True)
@@ -305,11 +328,30 @@ def test_triton_mqa_logits(shape):
 @pytest.mark.parametrize("shape", PREFILL_SHAPES)
 def test_deepgemm_mqa_logits(shape):
     case = Prefill(1, *shape)
-    out = torch.ops.dsa.mqa_logits(*case.inputs, case.max_seqlen_k, backend="deepgemm")
+    out = torch.ops.dsa.mqa_logits_deepgemm(*case.inputs, case.max_seqlen_k)
     assert out.stride() == (_cdiv(case.max_seqlen_k, 256) * 256, 1)
     triton_out = mqa_logits_triton(*case.inputs, case.max_seqlen_k)
     valid = case.valid()
     assert gpu_relative_error(out[valid], triton_out[valid]) < 1e-5
     case.check_sampled_rows(out, masked=False)
-    auto = torch.ops.dsa.mqa_logits(*case.inputs, case.max_seqlen_k)
+    auto = ragged_logits(*case.inputs, case.max_seqlen_k)
     assert torch.equal(auto[valid], out[valid])
+
+
+def test_ragged_auto_falls_back_to_triton():
+    """128 heads: DeepGEMM cannot take them; "auto" runs dsa's Triton op."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    num_q, num_keys, heads = 40, 300, 128
+    q_fp8, head_weights = torch.ops.dsa.quantize_q(
+        torch.randn(num_q, heads, HEAD_DIM, device="cuda", generator=gen),
+        torch.randn(num_q, heads, device="cuda", generator=gen))
+    k_fp8, k_scale = quantize_rows(torch.randn(num_keys, HEAD_DIM, device="cuda",
+                                               generator=gen), ue8m0=False)
+    ks = torch.zeros(num_q, dtype=torch.int32, device="cuda")
+    ke = torch.arange(num_keys - num_q + 1, num_keys + 1, dtype=torch.int32, device="cuda")
+    inputs = (q_fp8, k_fp8, k_scale, head_weights, ks, ke, num_keys)
+    assert torch.equal(ragged_logits(*inputs), torch.ops.dsa.mqa_logits(*inputs))
+    with pytest.raises(ValueError, match="backend='deepgemm' cannot run this call"):
+        ragged_logits(*inputs, backend="deepgemm")
+    with pytest.raises(ValueError, match=r"dsa\.mqa_logits_deepgemm: DeepGEMM cannot run"):
+        torch.ops.dsa.mqa_logits_deepgemm(*inputs)

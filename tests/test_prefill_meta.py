@@ -1,16 +1,23 @@
-"""prefill_chunk_bounds (SPEC §5) against the loop reference, on both faces."""
+"""prefill_chunk_bounds (design §5) against the loop reference, on both faces."""
 
 import pytest
 import reference_meta as ref
 import torch
-from faces import CPU_EXAMPLES, KERNEL_EXAMPLES, KERNEL_MARK, run_op
+from faces import (
+    CPU_EXAMPLES,
+    FACE_NAMES,
+    KERNEL_EXAMPLES,
+    KERNEL_MARK,
+    i32,
+    opcheck_test,
+    run_op,
+    validation_test,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import batches, dcp_configs
 
-FACE_NAMES = ["cpu", pytest.param("kernel", marks=KERNEL_MARK)]
 OUTPUTS = ("cu_seq_lens", "local_cu_seq_lens", "token_to_seq", "ks", "ke", "global_lens")
-i32 = lambda x: torch.tensor(x, dtype=torch.int32)
 
 SPEC_QSL, SPEC_SEQ = i32([0, 2, 4, 7]), i32([5, 9, 4])
 
@@ -103,13 +110,11 @@ def test_reference_invariants(case):
     assert all(0 <= s <= e <= local_cu[-1] for s, e in zip(ks, ke))
 
 
-@pytest.mark.parametrize("args", [
+test_opcheck = opcheck_test([
     (SPEC_QSL, SPEC_SEQ, 0, 3, 0, 7, 18),
     (SPEC_QSL, SPEC_SEQ, 1, 3, 1, 5, 6, 2, 2, 1, 1),
     (SPEC_QSL, SPEC_SEQ, 2, 2, 0, 0, 0),
-])
-def test_opcheck(args):
-    torch.library.opcheck(torch.ops.dsa.prefill_chunk_bounds, args)
+], op="prefill_chunk_bounds")
 
 
 def test_defaults_are_no_compression_no_dcp():
@@ -119,7 +124,7 @@ def test_defaults_are_no_compression_no_dcp():
         strict=True))
 
 
-@pytest.mark.parametrize(("args", "error", "match"), [
+test_validation_errors = validation_test([
     ((SPEC_QSL.long(), SPEC_SEQ, 0, 3, 0, 7, 18), TypeError, "`query_start_loc` must be"),
     ((SPEC_QSL, SPEC_SEQ.view(3, 1), 0, 3, 0, 7, 18), ValueError, "`seq_lens` must have 1"),
     ((SPEC_QSL, SPEC_SEQ[:2], 0, 3, 0, 7, 18), ValueError, "`seq_lens` must have size 3"),
@@ -132,9 +137,4 @@ def test_defaults_are_no_compression_no_dcp():
     ((SPEC_QSL, SPEC_SEQ, 0, 3, 0, 7, 18, 0), ValueError, "`compress_ratio` must be >= 1"),
     ((SPEC_QSL, SPEC_SEQ, 0, 3, 0, 7, 18, 1, 2, 2), ValueError, "`dcp_rank` must be <"),
     ((SPEC_QSL, SPEC_SEQ, 0, 3, 0, 7, 18, 1, 2, 0, 2), NotImplementedError, "interleave"),
-])
-@pytest.mark.parametrize("face", ["cpu", "fake"])
-def test_validation_errors(args, error, match, face):
-    """The same error eagerly and at trace time (the fake face runs the same checks)."""
-    with pytest.raises(error, match=match):
-        run_op(face, "prefill_chunk_bounds", *args)
+], op="prefill_chunk_bounds")

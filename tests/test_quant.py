@@ -9,13 +9,11 @@ import reference_compute as ref
 import torch
 import triton
 import triton.language as tl
-from faces import HAS_CUDA, KERNEL_MARK, run_op
+from faces import FACE_NAMES, HAS_CUDA, KERNEL_MARK, run_op
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa.ops.quant import fp8_e4m3_bits, quantize_rows
-
-FACE_NAMES = ("cpu", pytest.param("kernel", marks=KERNEL_MARK))
 
 
 def encoding_probes() -> torch.Tensor:
@@ -62,6 +60,20 @@ def test_quantize_rows_matches_reference(ue8m0):
         codes, want = ref.quantize_row(x[row].bfloat16().double().numpy(), ue8m0)
         np.testing.assert_array_equal(values[row].view(torch.uint8).numpy(), codes)
         assert scale[row].item() == want
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_rows_nonfinite_matches_reference(ue8m0, dtype):
+    """NaN counts as 0 and ±inf as ±fp32 max before the scale."""
+    x = ref.nonfinite_rows(32).to(dtype)
+    values, scale = quantize_rows(x, ue8m0)
+    codes = values.view(torch.uint8).numpy()
+    for row in range(x.shape[0]):
+        want_codes, want = ref.quantize_row(x[row].double().numpy(), ue8m0)
+        np.testing.assert_array_equal(codes[row], want_codes)
+        assert scale[row].item() == want
+    ref.check_nonfinite_codes(x, codes, scale.numpy(), ue8m0)
 
 
 def _random_q(gen, num_tokens, num_heads, head_dim, dtype):
@@ -115,6 +127,24 @@ def test_quantize_q_faces_agree_on_ties():
     kernel = run_op("kernel", "quantize_q", q, weights, True)
     assert torch.equal(cpu[0].view(torch.uint8), kernel[0].view(torch.uint8))
     assert torch.equal(cpu[1], kernel[1])
+
+
+@KERNEL_MARK
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_q_nonfinite_faces_agree(ue8m0, dtype):
+    """Rows with NaN, +inf, -inf and mixes: both faces equal the reference bit for bit,
+    values and head weights (which carry the scales); inf keeps its sign."""
+    q = ref.nonfinite_rows(32, seed=5).to(dtype).view(4, 2, 32)
+    weights = torch.randn(4, 2, generator=torch.Generator().manual_seed(6))
+    cpu = run_op("cpu", "quantize_q", q, weights, ue8m0)
+    kernel = run_op("kernel", "quantize_q", q, weights, ue8m0)
+    assert torch.equal(cpu[0].view(torch.uint8), kernel[0].view(torch.uint8))
+    assert torch.equal(cpu[1], kernel[1])
+    codes, want = ref.quantize_q(q.double().numpy(), weights.double().numpy(), ue8m0)
+    np.testing.assert_array_equal(cpu[0].view(torch.uint8).numpy(), codes)
+    np.testing.assert_allclose(cpu[1].numpy(), want, rtol=1e-6, atol=0)
+    ref.check_nonfinite_codes(q, codes, cpu[1].numpy(), ue8m0)
 
 
 def test_quantize_q_opcheck():

@@ -1,5 +1,5 @@
-"""The indexer's RoPE table (SPEC §10): plain and YaRN, against a float64 transcription of the
-SPEC's equations, and the Hugging Face ``rope_scaling`` parsing."""
+"""The indexer's RoPE table (design §10): plain and YaRN, against a float64 transcription of the
+design's equations, and the Hugging Face ``rope_scaling`` parsing."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def yarn_bounds(d: int, base: float, l0: int, beta_fast: float, beta_slow: float
 
 
 def spec_table(max_len: int, d: int, base: float, yarn: dict | None = None) -> np.ndarray:
-    """float64 ``[max_len, d]`` (cos, then sin) of SPEC §10, one frequency at a time."""
+    """float64 ``[max_len, d]`` (cos, then sin) of design §10, one frequency at a time."""
     positions = np.arange(max_len, dtype=np.float64)
     out = np.empty((max_len, d))
     amplitude = 1.0

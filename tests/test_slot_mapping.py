@@ -1,15 +1,22 @@
-"""compressed_slot_mapping and kpool_tail_slot_mapping (SPEC §7) against the reference."""
+"""compressed_slot_mapping and kpool_tail_slot_mapping (design §7) against the reference."""
 
 import pytest
 import reference_meta as ref
 import torch
-from faces import CPU_EXAMPLES, KERNEL_EXAMPLES, KERNEL_MARK, run_op, strided_rows
+from faces import (
+    CPU_EXAMPLES,
+    FACE_NAMES,
+    KERNEL_EXAMPLES,
+    KERNEL_MARK,
+    i32,
+    opcheck_test,
+    run_op,
+    strided_rows,
+    validation_test,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import BatchSpec, batches, dcp_configs
-
-FACE_NAMES = ["cpu", pytest.param("kernel", marks=KERNEL_MARK)]
-i32 = lambda x: torch.tensor(x, dtype=torch.int32)
 
 
 @st.composite
@@ -91,7 +98,7 @@ def test_compressed_negative_positions_write_nothing(face):
        dcp=dcp_configs((1, 2, 3, 4)), interleave=st.integers(1, 3))
 def test_reference_dcp_placement_is_the_brute_force_one(num_states, block_size, dcp,
                                                         interleave):
-    """The SPEC slot formula puts each state where dealing the states out does, and every
+    """The design's slot formula puts each state where dealing the states out does, and every
     state lands on exactly one rank."""
     world, rank = dcp
     row = [10 + i for i in range(-(-num_states // block_size) + 1)]
@@ -151,9 +158,10 @@ def test_kpool_worked(face):
     out = run_op(face, "kpool_tail_slot_mapping", i32([0, 2, 3]), i32([[4, 9], [-1, 2]]),
                  torch.tensor([6, 7, 7, 3]), 4)
     assert out.tolist() == [4 * 4 + 2, 4 * 4 + 3, -1, -1]
-    out = run_op(face, "kpool_tail_slot_mapping", i32([0, 1]), i32([[2]]),
-                 torch.tensor([-1], dtype=torch.int32), 4)
-    assert out.tolist() == [2 * 4 + 3]  # Python modulo: -1 % 4 == 3
+    # a negative position writes nothing (it used to wrap into a live slot of the block)
+    out = run_op(face, "kpool_tail_slot_mapping", i32([0, 3]), i32([[2]]),
+                 torch.tensor([-1, -5, 5], dtype=torch.int32), 4)
+    assert out.tolist() == [-1, -1, 2 * 4 + 1]
 
 
 # --- opcheck and validation ----------------------------------------------------------------
@@ -162,14 +170,12 @@ QSL, SEQ, TABLE = i32([0, 2, 5, 5]), i32([6, 5, 0]), i32([[4, 5, 0], [6, 7, 1], 
 POS = torch.arange(7)
 
 
-@pytest.mark.parametrize(("name", "args"), [
+test_opcheck = opcheck_test([
     ("compressed_slot_mapping", (QSL, SEQ, TABLE, 7, 2, 2, 1, 0, 1)),
     ("compressed_slot_mapping", (QSL, SEQ, strided_rows(TABLE), 6, 1, 1, 2, 1, 1)),
     ("kpool_tail_slot_mapping", (QSL, TABLE, POS, 3)),
     ("kpool_tail_slot_mapping", (QSL, strided_rows(TABLE), POS.int() - 3, 5)),
 ])
-def test_opcheck(name, args):
-    torch.library.opcheck(getattr(torch.ops.dsa, name), args)
 
 
 def test_compressed_interleave_defaults_to_one():
@@ -179,7 +185,7 @@ def test_compressed_interleave_defaults_to_one():
 
 
 CSM = "compressed_slot_mapping"
-ERROR_CASES = [
+test_validation_errors = validation_test([
     (CSM, (QSL, SEQ.long(), TABLE, 7, 2, 2, 1, 0, 1), TypeError, "`seq_lens` must be torch.int32"),
     (CSM, (QSL, SEQ, TABLE[:2], 7, 2, 2, 1, 0, 1), ValueError, "`block_table` must have size 3"),
     (CSM, (QSL, SEQ[:1], TABLE, 7, 2, 2, 1, 0, 1), ValueError, "`seq_lens` must have size 3"),
@@ -197,12 +203,4 @@ ERROR_CASES = [
     ("kpool_tail_slot_mapping", (QSL, TABLE, POS, 0), ValueError, "`kpool` must be >= 1"),
     ("kpool_tail_slot_mapping", (QSL.view(2, 2), TABLE, POS, 4), ValueError,
      "`query_start_loc` must have 1 dim"),
-]
-
-
-@pytest.mark.parametrize(("name", "args", "error", "match"), ERROR_CASES)
-@pytest.mark.parametrize("face", ["cpu", "fake"])
-def test_validation_errors(name, args, error, match, face):
-    """The same error eagerly and at trace time (the fake face runs the same checks)."""
-    with pytest.raises(error, match=match):
-        run_op(face, name, *args)
+])

@@ -1,4 +1,4 @@
-"""dsa::topk_indices (SPEC §3): both faces against a loop checker of the top-k contract.
+"""dsa::topk_indices (design §3): both faces against a loop checker of the top-k contract.
 
 Order inside a row and the choice among equal values are free, so outputs are checked by
 properties, not compared: every selected index is a valid column (relative to the row's
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from faces import CPU_EXAMPLES, KERNEL_MARK, run_op
+from faces import CPU_EXAMPLES, FACE_NAMES, HAS_CUDA, KERNEL_EXAMPLES, KERNEL_MARK, i32, run_op
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa.ops import FACES
-from dsa.ops.topk import (
+from dsa.ops.topk.indices import (
     choose_parts,
     choose_select_cap,
     choose_select_warps,
@@ -26,9 +26,6 @@ from dsa.ops.topk import (
 # the interpreter runs fp32 math in numpy, which warns where the GPU silently saturates
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                                         "ignore:invalid value encountered:RuntimeWarning")
-HAS_CUDA = torch.cuda.is_available()
-FACE_NAMES = ["cpu", pytest.param("kernel", marks=KERNEL_MARK)]
-i32 = lambda x: torch.tensor(x, dtype=torch.int32)
 JUNK = (float("nan"), float("inf"), -float("inf"), 3.0e38, -3.0e38, 1.0e30)
 
 
@@ -161,7 +158,7 @@ def test_cpu_face(case):
 
 
 @KERNEL_MARK
-@settings(max_examples=25)
+@KERNEL_EXAMPLES
 @given(case=topk_cases())
 def test_kernel_face(case):
     """The CUDA face with its default launch (rows this short are read whole)."""
