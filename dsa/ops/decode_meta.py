@@ -19,6 +19,7 @@ key on an invalid block.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -231,10 +232,9 @@ def _cap_context_lens_cpu(context_lens: Tensor, block_table: Tensor, num_blocks:
                           block_size: int, max_context_len: int) -> Tensor:
     out = _cap_context_lens_out(context_lens, block_table, num_blocks, block_size,
                                 max_context_len)
-    width = block_table.shape[1]
-    outside = (block_table < 0) | (block_table >= num_blocks)
-    first = torch.where(outside.any(dim=1), outside.int().argmax(dim=1), width)
-    cap = (first.long() * block_size).clamp(max=max_context_len)
+    # A column of "outside" appended past the table: the first one found is the cut.
+    outside = F.pad((block_table < 0) | (block_table >= num_blocks), (0, 1), value=True)
+    cap = (outside.int().argmax(dim=1).long() * block_size).clamp(max=max_context_len)
     return out.copy_(torch.minimum(context_lens.long().clamp(min=0), cap[:, None]))
 
 
