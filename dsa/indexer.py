@@ -256,6 +256,7 @@ class Indexer(nn.Module):
         cfg = self.cfg
         indices = q_fp8.new_full((q_fp8.shape[0], cfg.topk), -1, dtype=torch.int32)
         k_fp8 = k_scale = None
+        logits_op = ops.mqa_logits_deepgemm if meta.logits_backend == "deepgemm" else ops.mqa_logits
         for chunk in meta.chunks:
             if chunk.num_local_rows == 0:
                 continue
@@ -263,8 +264,6 @@ class Indexer(nn.Module):
                 k_fp8, k_scale = ops.gather_k(self.kv_cache, chunk.block_table,
                                               chunk.local_cu_seq_lens, chunk.num_local_rows)
             span = slice(chunk.token_start, chunk.token_end)
-            logits_op = (ops.mqa_logits_deepgemm if meta.logits_backend == "deepgemm"
-                         else ops.mqa_logits)
             logits = logits_op(q_fp8[span], k_fp8, k_scale, head_weights[span], chunk.ks,
                                chunk.ke, chunk.max_seqlen_k)
             lens = (chunk.ke - chunk.ks).clamp(0, chunk.max_seqlen_k)

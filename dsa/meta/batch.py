@@ -154,20 +154,20 @@ def _first(mask: Tensor) -> int | tuple[int, ...] | None:
     return first[0] if mask.dim() == 1 else first
 
 
-def valid_tokens(cfg: IndexerConfig, batch: Batch, token_requests: Tensor) -> Tensor:
-    """bool ``[T]``: a real token (request id below ``num_reqs``) at a position in
-    ``[0, max_model_len)``; elementwise, no sync."""
+def token_writes(cfg: IndexerConfig, batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What both metadata builders derive per token, on the device without a sync.
+
+    Returns ``(token_requests, valid_tokens, request_table, slot_mapping)``: the request of
+    each token (``B + k`` for padding tokens); bool ``[T]``, a real token at a position in
+    ``[0, max_model_len)``; the indexer's block table per request (coarsened by
+    ``cfg.table_factor``); and the slot each token's indexer K goes to (compressed states
+    when R > 1; -1: nowhere, which every token outside ``valid_tokens`` gets).
+    """
+    token_requests = ops.decode_row_requests(batch.query_start_loc, batch.num_tokens)
     positions = batch.positions
-    return (token_requests < batch.num_reqs) & (positions >= 0) & (
+    valid = (token_requests < batch.num_reqs) & (positions >= 0) & (
         positions < cfg.max_model_len
     )
-
-
-def indexer_table_and_slots(cfg: IndexerConfig, batch: Batch, valid: Tensor
-                            ) -> tuple[Tensor, Tensor]:
-    """The indexer's block table per request (coarsened by ``cfg.table_factor``) and the
-    slot each token's indexer K goes to (compressed states when R > 1; -1: nowhere, which
-    every token outside ``valid`` gets)."""
     table = batch.block_table
     if cfg.table_factor > 1:
         table = ops.compress_block_table(table, cfg.table_factor)
@@ -177,4 +177,4 @@ def indexer_table_and_slots(cfg: IndexerConfig, batch: Batch, valid: Tensor
             batch.query_start_loc, batch.seq_lens, table, batch.num_tokens, cfg.block_size,
             cfg.compress_ratio, cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
         )
-    return table, torch.where(valid, slots, -1)
+    return token_requests, valid, table, torch.where(valid, slots, -1)

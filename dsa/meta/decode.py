@@ -18,8 +18,7 @@ from dsa.meta.batch import (
     Batch,
     check_batch,
     check_batch_values,
-    indexer_table_and_slots,
-    valid_tokens,
+    token_writes,
 )
 from dsa.ops.logits import paged_backend
 
@@ -96,9 +95,7 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
     num_tokens = batch.num_tokens
     ratio = cfg.compress_ratio
 
-    token_requests = ops.decode_row_requests(qsl, num_tokens)
-    valid = valid_tokens(cfg, batch, token_requests)
-    request_table, slot_mapping = indexer_table_and_slots(cfg, batch, valid)
+    token_requests, valid, request_table, slot_mapping = token_writes(cfg, batch)
     kpool_slots = None
     if cfg.kpool is not None:
         kpool_slots = torch.where(

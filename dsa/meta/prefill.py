@@ -18,8 +18,7 @@ from dsa.meta.batch import (
     Batch,
     check_batch,
     check_batch_values,
-    indexer_table_and_slots,
-    valid_tokens,
+    token_writes,
 )
 from dsa.meta.chunking import split_prefill_chunks
 from dsa.ops._checks import values_readable
@@ -130,9 +129,7 @@ def build_prefill_metadata(
                          f"got {num_decodes}")
 
     ratio = cfg.compress_ratio
-    token_requests = ops.decode_row_requests(batch.query_start_loc, batch.num_tokens)
-    valid = valid_tokens(cfg, batch, token_requests)
-    request_table, slot_mapping = indexer_table_and_slots(cfg, batch, valid)
+    token_requests, valid, request_table, slot_mapping = token_writes(cfg, batch)
 
     states = [s // ratio for s in seq_host]
     local_states = local_share(torch.tensor(states, dtype=torch.int64), cfg.dcp_world,
