@@ -224,3 +224,23 @@ def test_out_of_range_positions_and_padding_tokens_write_and_select_nothing(devi
     indices = out.indices.cpu()
     assert (indices[1:] == -1).all() and (out.slots.cpu()[1:] == -1).all()
     assert sorted(indices[0][indices[0] >= 0].tolist()) != []
+
+
+@pytest.mark.gpu
+def test_prefill_checks_device_block_ids_decode_does_not_sync():
+    """Prefill syncs anyway, so it reads device values: a block id outside the cache raises
+    there (its key would be gathered as zeros and could be selected). Decode never syncs:
+    the same batch builds, with the request's lengths cut at the bad block."""
+    cfg = dsa.IndexerConfig(max_num_reqs=2, max_num_batched_tokens=2, max_model_len=256,
+                            num_heads=64, head_dim=128, topk=32, block_size=64, num_blocks=4)
+    table = torch.tensor([[0, 1, 2, 3], [3, 9, 1, 2]])
+    _, batch = _layer_and_batch("cuda", cfg, table, [100, 150])
+    with pytest.raises(ValueError, match=r"indexer block 9 at column 1"):
+        dsa.build_prefill_metadata(cfg, batch)
+    with torch.cuda.device("cuda"):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            meta = dsa.build_decode_metadata(cfg, batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert meta.context_lens.view(-1).tolist() == [100, 64]

@@ -84,19 +84,21 @@ def check_batch(op: str, cfg: IndexerConfig, batch: Batch) -> None:
     check_size(op, "positions", positions, 0, slots.shape[0], "len(slot_mapping)")
 
 
-def check_batch_values(op: str, cfg: IndexerConfig, batch: Batch, *, decode: bool) -> None:
+def check_batch_values(op: str, cfg: IndexerConfig, batch: Batch, *, decode: bool,
+                       sync: bool = False) -> None:
     """Raises on an impossible batch (design §9), reading its values where that is free.
 
-    Host tensors (not fake) are always checked. Device tensors are checked only in the debug
-    mode (``cfg.debug``), which copies them to the host: a sync, so a debug step cannot be
-    captured in a CUDA graph; under torch.compile the check is skipped while tracing.
+    Host tensors (not fake) are always checked. Device tensors are checked in the debug
+    mode (``cfg.debug``) or when the caller syncs anyway (``sync``: prefill), by copying them
+    to the host: a debug step cannot be captured in a CUDA graph. Under torch.compile the
+    check is skipped while tracing.
 
     Checks: ``query_start_loc`` starts at 0, never decreases and ends within the tokens;
     ``seq_lens`` >= 0 and >= each request's query length; a decode request has at most
     ``next_n`` tokens; real tokens' positions are in ``[0, max_model_len)``; with
     ``cfg.num_blocks``, the indexer blocks each request spans are in ``[0, num_blocks)``.
     """
-    if not values_readable(batch.query_start_loc, debug=cfg.debug):
+    if not values_readable(batch.query_start_loc, debug=cfg.debug or sync):
         return
     where = f"dsa.{op}:"
     qsl, seq, positions = (t.cpu().long()

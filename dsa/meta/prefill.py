@@ -104,11 +104,13 @@ def build_prefill_metadata(
     ``seq_lens_cpu`` / ``query_start_loc_cpu``: host copies of the batch's lengths, which an
     engine already has; without them they are copied from the device (one sync). When
     given, they are compared with the batch's tensors (one sync; prefill is never captured).
-    Batch values are checked as ``check_batch_values`` does.
+    The batch's values are checked wherever they live (``check_batch_values`` with a sync),
+    block ids included when ``cfg.num_blocks`` is set: a prefill key on a block outside the
+    cache would be gathered as zeros and could be selected.
     """
     op = "build_prefill_metadata"
     check_batch(op, cfg, batch)
-    check_batch_values(op, cfg, batch, decode=False)
+    check_batch_values(op, cfg, batch, decode=False, sync=True)
     seq_host = _host_list(seq_lens_cpu if seq_lens_cpu is not None else batch.seq_lens)
     qsl_host = _host_list(
         query_start_loc_cpu if query_start_loc_cpu is not None else batch.query_start_loc
