@@ -48,9 +48,9 @@ class Indexer(nn.Module):
     paged cache (a buffer of this module). ``weights_proj``, kept and computed in fp32, gives
     the head weights. ``rope_scaling``: YaRN for the RoPE table, ``None`` for plain RoPE.
 
-    ``num_blocks``: blocks of the K cache, ``cfg.num_blocks`` by default (they must agree
-    when both are given). Set ``cfg.num_blocks``: the metadata built from ``cfg`` then keeps
-    every selection off block ids outside the cache (without it, such keys only get slot -1).
+    The K cache has ``cfg.num_blocks`` blocks (required): metadata built from a config with
+    the same ``num_blocks`` keeps every length, and so every selection, inside the cache, and
+    ``forward`` refuses metadata built for another cache size.
 
     Weights load from a DeepSeek state dict: ``wq_b.weight``, ``wk.weight``,
     ``k_norm.weight``, ``k_norm.bias``, ``weights_proj.weight`` (``load_state_dict``), or
@@ -63,7 +63,6 @@ class Indexer(nn.Module):
         *,
         hidden_size: int,
         q_lora_rank: int,
-        num_blocks: int | None = None,
         rope_dim: int = 64,
         rope_theta: float = 10000.0,
         rope_scaling: YarnScaling | None = None,
@@ -72,11 +71,9 @@ class Indexer(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__()
-        if num_blocks is None:
-            num_blocks = cfg.num_blocks
-        if num_blocks is None or (cfg.num_blocks is not None and num_blocks != cfg.num_blocks):
-            raise ValueError(f"Indexer: num_blocks must be given here or in the config, and "
-                             f"agree; got {num_blocks} and cfg.num_blocks={cfg.num_blocks}")
+        if cfg.num_blocks is None:
+            raise ValueError("Indexer: IndexerConfig.num_blocks (the K cache's blocks) must be "
+                             "set, so the metadata keeps every selection inside the cache")
         if cfg.kpool is not None:
             raise ValueError("Indexer: the kpool tail is a storage-only cache; build its slot "
                              "mapping with build_decode_metadata and write it elsewhere")
@@ -102,7 +99,8 @@ class Indexer(nn.Module):
         )
         self.register_buffer(
             "kv_cache",
-            torch.zeros(num_blocks, cfg.block_size, 1, dim + 4, dtype=torch.uint8, device=device),
+            torch.zeros(cfg.num_blocks, cfg.block_size, 1, dim + 4, dtype=torch.uint8,
+                        device=device),
             persistent=False,
         )
 
@@ -138,7 +136,7 @@ class Indexer(nn.Module):
                             head_dim=read("index_head_dim"), topk=read("index_topk"),
                             num_blocks=num_blocks, **cfg_overrides)
         return cls(cfg, hidden_size=read("hidden_size"), q_lora_rank=read("q_lora_rank"),
-                   num_blocks=num_blocks, rope_dim=read("qk_rope_head_dim"),
+                   rope_dim=read("qk_rope_head_dim"),
                    rope_theta=read("rope_theta"),
                    rope_scaling=rope_scaling_from_hf(config.get("rope_scaling")),
                    device=device, dtype=dtype)
@@ -212,6 +210,10 @@ class Indexer(nn.Module):
         if not isinstance(meta, DecodeMetadata | PrefillMetadata):
             raise TypeError(f"dsa.{op}: `meta` must be DecodeMetadata or PrefillMetadata, got "
                             f"{type(meta).__name__}")
+        if meta.num_blocks != cache.shape[0]:
+            raise ValueError(f"dsa.{op}: `meta` must be built for this layer's K cache of "
+                             f"{cache.shape[0]} blocks (IndexerConfig.num_blocks), got metadata "
+                             f"for num_blocks={meta.num_blocks}")
         tokens = meta.slot_mapping.shape[0]
         for name, x in (("hidden", hidden), ("q_latent", q_latent), ("positions", positions)):
             check_size(op, name, x, 0, tokens, "the metadata's tokens")

@@ -42,10 +42,6 @@ class ToyEngine:
         self.block_table = torch.arange(len(prompt_lens) * self.width, dtype=torch.int32,
                                         device=device).view(len(prompt_lens), self.width)
 
-    @property
-    def num_blocks(self) -> int:
-        return self.block_table.numel()
-
     def step(self, query_lens: list[int]) -> tuple[dsa.Batch, list[int]]:
         """The batch that appends ``query_lens[r]`` tokens to request r."""
         qsl, positions, slots = [0], [], []
@@ -83,17 +79,19 @@ def main() -> None:
     prompt_lens = [3000, 700, 5100, 64, 1800] if on_gpu else [300, 70, 410, 9, 150]
     steps = args.steps or (32 if on_gpu else 6)
     capture_size = 8  # 5 live requests replay in the 8-request bucket: 3 padding requests
+    max_model_len = 8192 if on_gpu else 1024
     cfg = dsa.IndexerConfig(
         max_num_reqs=capture_size,
         max_num_batched_tokens=max(sum(prompt_lens), capture_size * args.next_n),
-        max_model_len=8192 if on_gpu else 1024,
+        max_model_len=max_model_len,
         topk=2048 if on_gpu else 64,
         next_n=args.next_n,
+        num_blocks=len(prompt_lens) * max_model_len // 64,  # the engine's blocks, 64 tokens each
     )
     engine = ToyEngine(prompt_lens, cfg, args.device)
     layers = [
-        dsa.Indexer(cfg, hidden_size=hidden_size, q_lora_rank=q_lora_rank,
-                    num_blocks=engine.num_blocks, device=args.device, dtype=dtype)
+        dsa.Indexer(cfg, hidden_size=hidden_size, q_lora_rank=q_lora_rank, device=args.device,
+                    dtype=dtype)
         for _ in range(args.layers)
     ]
 

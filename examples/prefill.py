@@ -30,11 +30,11 @@ def main() -> None:
               "max_model_len": 4096, "topk": 256 if on_gpu else 32}
     # Room for about a quarter of the longest prompt's logits rows at a time.
     budget = 4 * prompts[2] * prompts[2] // 4
+    limits["num_blocks"] = len(prompts) * -(-limits["max_model_len"] // 64)
     chunked = dsa.IndexerConfig(**limits, max_logits_bytes=budget)
     whole = dsa.IndexerConfig(**limits)
 
     layer = dsa.Indexer(chunked, hidden_size=hidden_size, q_lora_rank=q_lora_rank,
-                        num_blocks=len(prompts) * chunked.max_blocks_per_req,
                         device=args.device, dtype=dtype)
     width = chunked.max_blocks_per_req
     table = torch.arange(len(prompts) * width, dtype=torch.int32, device=args.device)

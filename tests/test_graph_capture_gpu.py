@@ -31,13 +31,14 @@ COMPOSITIONS = 20
 def make_cfg(**overrides) -> dsa.IndexerConfig:
     base = {"max_num_reqs": max(BUCKETS), "max_num_batched_tokens": 64, "max_model_len": 2048,
             "topk": 128}
-    return dsa.IndexerConfig(**{**base, **overrides})
+    cfg = dsa.IndexerConfig(**{**base, **overrides})
+    if cfg.num_blocks is None:
+        cfg = dataclasses.replace(cfg, num_blocks=max(BUCKETS) * table_width(cfg))
+    return cfg
 
 
 def make_layers(cfg: dsa.IndexerConfig) -> list[dsa.Indexer]:
-    width = table_width(cfg)
-    return [dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK,
-                        num_blocks=max(BUCKETS) * width, device="cuda")
+    return [dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, device="cuda")
             for _ in range(LAYERS)]
 
 
@@ -195,9 +196,8 @@ def test_readme_step_returns_live_indexer_outputs_that_survive_the_next_replay()
     clones it, so a second replay leaves the first result as it was, equal to eager."""
     torch._dynamo.reset()
     cfg = dsa.IndexerConfig(max_num_reqs=4, max_num_batched_tokens=64, max_model_len=1024,
-                            next_n=2, topk=64)
-    layer = dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, num_blocks=64,
-                        device="cuda")
+                            next_n=2, topk=64, num_blocks=64)
+    layer = dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, device="cuda")
     eager_layer = copy.deepcopy(layer)
 
     def step(batch, hidden, q_latent):

@@ -85,8 +85,7 @@ def test_unknown_api_is_refused_with_its_signature(monkeypatch):
 def _layer_and_batch(device: str, cfg: dsa.IndexerConfig, table: torch.Tensor,
                      seq_lens: list[int]) -> tuple[dsa.Indexer, dsa.Batch]:
     torch.manual_seed(0)
-    layer = dsa.Indexer(cfg, hidden_size=64, q_lora_rank=32, num_blocks=cfg.num_blocks,
-                        device=device, dtype=torch.bfloat16)
+    layer = dsa.Indexer(cfg, hidden_size=64, q_lora_rank=32, device=device, dtype=torch.bfloat16)
     num_reqs = len(seq_lens)
     i32 = {"dtype": torch.int32, "device": device}
     batch = dsa.Batch(

@@ -3,6 +3,7 @@ token's selection checked against a float64 reference written from the model's e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -19,17 +20,18 @@ PROMPTS, DECODE = [20, 7, 33], [2, 1, 2]
 
 
 def make_config(**overrides) -> dsa.IndexerConfig:
-    return dsa.IndexerConfig(**{
+    """A small config whose K cache holds three requests of max_model_len."""
+    cfg = dsa.IndexerConfig(**{
         "max_num_reqs": 4, "max_num_batched_tokens": 64, "max_model_len": 256,
         "num_heads": 16, "head_dim": 64, "topk": 16, "block_size": 16, "next_n": 2,
         **overrides})
+    return dataclasses.replace(cfg, num_blocks=3 * cfg.max_blocks_per_req)
 
 
 def make_layer(cfg: dsa.IndexerConfig, seed: int = 0) -> dsa.Indexer:
     torch.manual_seed(seed)
     layer = dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, rope_dim=ROPE_DIM,
-                        rope_theta=THETA, num_blocks=3 * cfg.max_blocks_per_req,
-                        dtype=torch.float32)
+                        rope_theta=THETA, dtype=torch.float32)
     with torch.no_grad():
         layer.k_norm.weight.uniform_(0.5, 1.5)
         layer.k_norm.bias.uniform_(-0.2, 0.2)
@@ -171,9 +173,30 @@ def test_weights_load_from_a_deepseek_state_dict():
 
 def test_indexer_rejects_bad_sizes():
     with pytest.raises(ValueError, match="rope_dim must be even and in"):
-        dsa.Indexer(make_config(), hidden_size=8, q_lora_rank=8, num_blocks=4, rope_dim=65)
+        dsa.Indexer(make_config(), hidden_size=8, q_lora_rank=8, rope_dim=65)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
-        dsa.Indexer(make_config(head_dim=48), hidden_size=8, q_lora_rank=8, num_blocks=4,
-                    rope_dim=32)
+        dsa.Indexer(make_config(head_dim=48), hidden_size=8, q_lora_rank=8, rope_dim=32)
     with pytest.raises(ValueError, match="kpool tail is a storage-only cache"):
-        dsa.Indexer(make_config(kpool=8), hidden_size=8, q_lora_rank=8, num_blocks=4)
+        dsa.Indexer(make_config(kpool=8), hidden_size=8, q_lora_rank=8)
+
+
+def test_indexer_needs_metadata_built_for_its_cache():
+    """The metadata keeps selections inside the cache only for the cache size it was built
+    for: the layer needs ``cfg.num_blocks`` and refuses metadata for another size."""
+    cfg = make_config()
+    with pytest.raises(ValueError, match=r"IndexerConfig.num_blocks \(the K cache's blocks\)"):
+        dsa.Indexer(dataclasses.replace(cfg, num_blocks=None), hidden_size=8, q_lora_rank=8,
+                    rope_dim=32)
+    layer = dsa.Indexer(cfg, hidden_size=8, q_lora_rank=8, rope_dim=32, dtype=torch.float32)
+    batch = dsa.Batch(query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                      seq_lens=torch.tensor([5], dtype=torch.int32),
+                      block_table=torch.zeros(1, cfg.max_blocks_per_req, dtype=torch.int32),
+                      slot_mapping=torch.tensor([4]), positions=torch.tensor([4]))
+    for other in (None, cfg.num_blocks + 1):
+        meta = dsa.build_decode_metadata(dataclasses.replace(cfg, num_blocks=other), batch)
+        with pytest.raises(ValueError, match=rf"`meta` must be built for this layer's K cache "
+                                             rf"of {cfg.num_blocks} blocks .* num_blocks={other}"):
+            layer(torch.randn(1, 8), torch.randn(1, 8), batch.positions, meta)
+    meta = dsa.build_decode_metadata(cfg, batch)
+    assert layer(torch.randn(1, 8), torch.randn(1, 8), batch.positions, meta).indices.shape == (
+        1, cfg.topk)

@@ -90,8 +90,8 @@ def test_plain_table_is_unchanged():
 
 def test_indexer_takes_the_scaling():
     cfg = dsa.IndexerConfig(max_num_reqs=2, max_num_batched_tokens=8, max_model_len=512,
-                            num_heads=4, head_dim=64, topk=8)
-    kwargs = {"hidden_size": 16, "q_lora_rank": 16, "num_blocks": 4, "rope_dim": 32}
+                            num_heads=4, head_dim=64, topk=8, num_blocks=4)
+    kwargs = {"hidden_size": 16, "q_lora_rank": 16, "rope_dim": 32}
     plain = dsa.Indexer(cfg, **kwargs)
     assert torch.equal(plain.rope_cos_sin, rope_table(512, 32, 10000.0))
     # engines scale whenever the config says yarn, also when max_model_len <= L0

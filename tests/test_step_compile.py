@@ -6,6 +6,7 @@ all-padding, mixed; even and uneven decode lengths), equal to eager.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -42,8 +43,8 @@ def test_compiled_step_matches_eager_without_recompiles(name, backend):
     torch._dynamo.reset()
     cfg = dsa.IndexerConfig(max_num_reqs=CAPACITY, max_num_batched_tokens=16,
                             max_model_len=512, topk=32, **CONFIGS[name])
-    layers = [dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK,
-                          num_blocks=CAPACITY * table_width(cfg), dtype=torch.float32)
+    cfg = dataclasses.replace(cfg, num_blocks=CAPACITY * table_width(cfg))
+    layers = [dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, dtype=torch.float32)
               for _ in range(LAYERS)]
     eager = make_step(cfg, copy.deepcopy(layers))  # same weights, its own K caches
     compiled = torch.compile(make_step(cfg, layers), fullgraph=True, dynamic=False,

@@ -25,7 +25,7 @@ from dsa.ops.logits import paged_backend
 ops = torch.ops.dsa
 
 
-@pytree_dataclass("layout", "next_n", "logits_backend", "max_context_len")
+@pytree_dataclass("layout", "next_n", "logits_backend", "max_context_len", "num_blocks")
 @dataclass(frozen=True)
 class DecodeMetadata:
     """Everything the indexer's decode leaves need, shared by all layers of a step.
@@ -54,6 +54,8 @@ class DecodeMetadata:
             once for the step (``cfg.logits_backend`` resolved for this device and shape).
         schedule: DeepGEMM schedule for ``context_lens`` when DeepGEMM computes the logits.
         max_context_len: static width of a logits row.
+        num_blocks: the K-cache size the lengths were capped to (``cfg.num_blocks``; None:
+            unknown, only negative block ids and the table width cap them).
     """
 
     layout: str
@@ -70,6 +72,7 @@ class DecodeMetadata:
     logits_backend: str
     schedule: Tensor | None
     max_context_len: int
+    num_blocks: int | None
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +151,7 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
         logits_backend=backend,
         schedule=schedule,
         max_context_len=width,
+        num_blocks=cfg.num_blocks,
     )
 
 

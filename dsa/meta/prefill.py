@@ -67,7 +67,7 @@ class PrefillChunk:
     global_lens: Tensor
 
 
-@pytree_dataclass("logits_backend")
+@pytree_dataclass("logits_backend", "num_blocks")
 @dataclass(frozen=True)
 class PrefillMetadata:
     """The chunks of a step's prefill requests and where their K goes.
@@ -81,6 +81,8 @@ class PrefillMetadata:
         valid_tokens: bool ``[T]``, a real token (not padding) at a position in
             ``[0, max_model_len)``; no other token writes K or selects keys.
         logits_backend: "deepgemm" or "triton", the ragged-logits implementation.
+        num_blocks: the K-cache size the block ids were checked against (``cfg.num_blocks``;
+            None: unknown).
     """
 
     chunks: tuple[PrefillChunk, ...]
@@ -89,6 +91,7 @@ class PrefillMetadata:
     token_requests: Tensor
     valid_tokens: Tensor
     logits_backend: str
+    num_blocks: int | None
 
 
 def build_prefill_metadata(
@@ -177,6 +180,7 @@ def build_prefill_metadata(
         valid_tokens=valid,
         logits_backend=ragged_backend(cfg.logits_backend, batch.seq_lens.device, cfg.num_heads,
                                       cfg.head_dim),
+        num_blocks=cfg.num_blocks,
     )
 
 
