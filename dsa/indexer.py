@@ -45,8 +45,9 @@ class Indexer(nn.Module):
     ``wq_b`` on the q latent and ``wk`` + LayerNorm on the hidden state give q ``[T, H, D]``
     and k ``[T, D]``; NeoX RoPE rotates their first ``rope_dim`` dims, an optional Hadamard
     rotation mixes all D, then q is quantised per (token, head) and k is written to the fp8
-    paged cache (a buffer of this module). ``weights_proj``, kept and computed in fp32, gives
-    the head weights. ``rope_scaling``: YaRN for the RoPE table, ``None`` for plain RoPE.
+    paged cache (a buffer of this module). As in DeepSeek's reference, ``k_norm`` and
+    ``weights_proj`` (which gives the head weights) keep fp32 parameters and compute in fp32.
+    ``rope_scaling``: YaRN for the RoPE table, ``None`` for plain RoPE.
 
     The K cache has ``cfg.num_blocks`` blocks (required): metadata built from a config with
     the same ``num_blocks`` keeps every length, and so every selection, inside the cache, and
@@ -85,7 +86,7 @@ class Indexer(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.wq_b = nn.Linear(q_lora_rank, heads * dim, bias=False, **factory)
         self.wk = nn.Linear(hidden_size, dim, bias=False, **factory)
-        self.k_norm = nn.LayerNorm(dim, eps=1e-6, **factory)
+        self.k_norm = nn.LayerNorm(dim, eps=1e-6, device=device, dtype=torch.float32)
         self.weights_proj = nn.Linear(hidden_size, heads, bias=False, device=device,
                                       dtype=torch.float32)
         self.rope_dim = rope_dim
@@ -221,7 +222,8 @@ class Indexer(nn.Module):
     def _project(self, hidden: Tensor, q_latent: Tensor, positions: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor]:
         q = rearrange(self.wq_b(q_latent), "t (h d) -> t h d", d=self.cfg.head_dim)
-        k = self.k_norm(self.wk(hidden))
+        k = self.wk(hidden)
+        k = self.k_norm(k.float()).to(k.dtype)
         cos_sin = self.rope_cos_sin[positions.long()]
         q = neox_rope(q, cos_sin.unsqueeze(1), self.rope_dim)
         k = neox_rope(k, cos_sin, self.rope_dim)

@@ -117,6 +117,7 @@ def test_projections_match_the_model(dtype, tol):
     layer = make_layer(dtype, state)
     assert layer.wq_b.weight.dtype == layer.wk.weight.dtype == dtype
     assert layer.weights_proj.weight.dtype == torch.float32
+    assert layer.k_norm.weight.dtype == layer.k_norm.bias.dtype == torch.float32
     torch.manual_seed(1)
     hidden, q_latent = torch.randn(12, HIDDEN).to(dtype), torch.randn(12, Q_LORA).to(dtype)
     positions = torch.tensor([0, 1, 63, 1000, 4095, 4096, 4097, 5000, 6144, 7000, 8000, 8191])
