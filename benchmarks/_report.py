@@ -72,6 +72,14 @@ def report(title: str, command: str, table: str, notes: str = "") -> str:
     return header + (f"- {notes}\n" if notes else "") + "\n" + table + "\n"
 
 
+def publish(text: str, out: str | None) -> None:
+    """Prints a report and appends it to the markdown file ``out`` when one is given."""
+    print(text)
+    if out:
+        with open(out, "a") as f:
+            f.write("\n" + text)
+
+
 def _git_commit() -> str:
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,

@@ -21,7 +21,7 @@ import dsa
 from dsa.ops.logits.deepgemm import deepgemm_paged_supported
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import copy_bandwidth_bytes_per_s, graph_us, markdown_table, report
+from _report import copy_bandwidth_bytes_per_s, graph_us, markdown_table, publish, report
 
 SHAPES = [(1, 1, 4096), (1, 1, 65536), (8, 1, 32768), (32, 1, 32768), (64, 1, 65536),
           (128, 1, 32768), (64, 2, 32768), (256, 1, 8192)]
@@ -102,10 +102,7 @@ def main() -> None:
                f"each length + torch.topk, torch.topk alone = on logits already masked; "
                f"dsa v{dsa.__version__}"),
     )
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import dsa
 from dsa.graphs import DecodeGraphRunner
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import device_us, host_us, markdown_table, report
+from _report import device_us, host_us, markdown_table, publish, report
 from bench_leaves import random_cache
 from host_metadata import host_built_decode_metadata
 
@@ -95,10 +95,7 @@ def main() -> None:
                "top-k overlap: slots both runs select (their bf16 projections round "
                "differently: inductor fuses them)"),
     )
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

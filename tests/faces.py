@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
+from hypothesis.strategies import SearchStrategy
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dsa.ops import FACES
@@ -91,6 +92,25 @@ def validation_test(cases: Sequence[tuple], *, op: str | None = None) -> Callabl
 
 CPU_EXAMPLES = settings(max_examples=250)
 KERNEL_EXAMPLES = settings(max_examples=25)
+
+
+def face_tests(check: Callable[..., None], cpu: dict[str, SearchStrategy],
+                    kernel: dict[str, SearchStrategy] | None = None) -> tuple[Callable, Callable]:
+    """Two property tests of ``check(face, **drawn)``: the CPU face on the strategies of
+    ``cpu`` (``CPU_EXAMPLES``), the kernel face on those of ``kernel`` (default: ``cpu``;
+    smaller ones, since the interpreter is slow; ``KERNEL_EXAMPLES``, ``KERNEL_MARK``).
+    Assign them to ``test_<op>_cpu, test_<op>_kernel`` of the test module."""
+
+    def on_cpu(**drawn: Any) -> None:
+        check("cpu", **drawn)
+
+    def on_kernel(**drawn: Any) -> None:
+        check("kernel", **drawn)
+
+    for test, face in ((on_cpu, "cpu"), (on_kernel, "kernel")):
+        test.__name__ = test.__qualname__ = f"{check.__name__}_{face}"
+    return (CPU_EXAMPLES(given(**cpu)(on_cpu)),
+            KERNEL_MARK(KERNEL_EXAMPLES(given(**(cpu if kernel is None else kernel))(on_kernel))))
 
 
 def strided_rows(table: torch.Tensor, extra: int = 3) -> torch.Tensor:

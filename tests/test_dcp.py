@@ -3,16 +3,7 @@
 import pytest
 import reference_meta as ref
 import torch
-from faces import (
-    CPU_EXAMPLES,
-    FACE_NAMES,
-    KERNEL_EXAMPLES,
-    KERNEL_MARK,
-    i32,
-    opcheck_test,
-    run_op,
-    validation_test,
-)
+from faces import FACE_NAMES, face_tests, i32, opcheck_test, run_op, validation_test
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import dcp_configs
@@ -41,8 +32,9 @@ def test_reference_formula_counts_owned_entries(n, world, interleave, data):
     assert sum(ref.dcp_local(n, world, k, interleave) for k in range(world)) == max(n, 0)
 
 
-def check_dcp_local_lens(face: str, lens: list[int], world: int, rank: int,
-                         shape: tuple[int, ...]) -> None:
+def check_dcp_local_lens(face: str, case: tuple[list[int], tuple[int, ...]],
+                         dcp: tuple[int, int]) -> None:
+    (lens, shape), (world, rank) = case, dcp
     x = i32(lens).reshape(shape)
     out = run_op(face, "dcp_local_lens", x, world, rank, 1)
     assert out.dtype == torch.int32 and out.shape == x.shape
@@ -57,19 +49,8 @@ def shaped_lens(draw: st.DrawFn) -> tuple[list[int], tuple[int, ...]]:
     return lens, shape
 
 
-@CPU_EXAMPLES
-@given(case=shaped_lens(), dcp=dcp_configs())
-def test_dcp_local_lens_cpu(case, dcp):
-    lens, shape = case
-    check_dcp_local_lens("cpu", lens, *dcp, shape)
-
-
-@KERNEL_MARK
-@KERNEL_EXAMPLES
-@given(case=shaped_lens(), dcp=dcp_configs())
-def test_dcp_local_lens_kernel(case, dcp):
-    lens, shape = case
-    check_dcp_local_lens("kernel", lens, *dcp, shape)
+test_dcp_local_lens_cpu, test_dcp_local_lens_kernel = face_tests(
+    check_dcp_local_lens, {"case": shaped_lens(), "dcp": dcp_configs()})
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)

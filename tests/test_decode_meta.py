@@ -4,17 +4,7 @@ cap_context_lens, which keeps decode lengths inside the block table and the cach
 import pytest
 import reference_meta as ref
 import torch
-from faces import (
-    CPU_EXAMPLES,
-    FACE_NAMES,
-    KERNEL_EXAMPLES,
-    KERNEL_MARK,
-    i32,
-    opcheck_test,
-    run_op,
-    strided_rows,
-    validation_test,
-)
+from faces import FACE_NAMES, face_tests, i32, opcheck_test, run_op, strided_rows, validation_test
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import BatchSpec, batches, decode_batches
@@ -67,14 +57,10 @@ def check_native_decode_lens(face: str, b: BatchSpec) -> None:
     out = run_op(face, "native_decode_lens", b.tensors().seq_lens, b.next_n)
     assert out.dtype == torch.int32
     assert out.tolist() == ref.native_decode_lens(b.seq_lens, b.next_n)
-
-
-def check_native_matches_per_token(b: BatchSpec) -> None:
-    """Right-aligned: slot next_n - d + i of request r has token i's true length."""
-    native = ref.native_decode_lens(b.seq_lens, b.next_n)
+    # Right-aligned: slot next_n - d + i of request r has token i's true length.
     flat = ref.decode_token_lens(b.query_start_loc, b.seq_lens, b.num_real_tokens)
     packed = ref.pack_decode_rows(flat, b.query_start_loc, b.next_n, None)
-    for row, lens in zip(packed, native):
+    for row, lens in zip(packed, out.tolist()):
         assert all(p is None or p == n for p, n in zip(row, lens))
 
 
@@ -93,57 +79,16 @@ def check_decode_row_requests(face: str, b: BatchSpec) -> None:
     assert out.tolist() == ref.decode_row_requests(b.query_start_loc, b.num_tokens)
 
 
-@CPU_EXAMPLES
-@given(b=decode_batches(max_reqs=6))
-def test_decode_token_lens_cpu(b):
-    check_decode_token_lens("cpu", b)
-
-
-@CPU_EXAMPLES
-@given(b=decode_batches(max_reqs=6))
-def test_native_decode_lens_cpu(b):
-    check_native_decode_lens("cpu", b)
-    check_native_matches_per_token(b)
-
-
-@CPU_EXAMPLES
-@given(b=decode_batches(max_reqs=6), strided=st.booleans())
-def test_expand_block_table_cpu(b, strided):
-    check_expand_block_table("cpu", b, strided)
-
-
-@CPU_EXAMPLES
-@given(b=decode_batches(max_reqs=6))
-def test_decode_row_requests_cpu(b):
-    check_decode_row_requests("cpu", b)
-
-
-@KERNEL_MARK
-@KERNEL_EXAMPLES
-@given(b=decode_batches(max_reqs=3))
-def test_decode_token_lens_kernel(b):
-    check_decode_token_lens("kernel", b)
-
-
-@KERNEL_MARK
-@KERNEL_EXAMPLES
-@given(b=decode_batches(max_reqs=3))
-def test_native_decode_lens_kernel(b):
-    check_native_decode_lens("kernel", b)
-
-
-@KERNEL_MARK
-@KERNEL_EXAMPLES
-@given(b=decode_batches(max_reqs=3, max_context=8), strided=st.booleans())
-def test_expand_block_table_kernel(b, strided):
-    check_expand_block_table("kernel", b, strided)
-
-
-@KERNEL_MARK
-@KERNEL_EXAMPLES
-@given(b=decode_batches(max_reqs=3))
-def test_decode_row_requests_kernel(b):
-    check_decode_row_requests("kernel", b)
+SMALL = {"b": decode_batches(max_reqs=3)}
+test_decode_token_lens_cpu, test_decode_token_lens_kernel = face_tests(
+    check_decode_token_lens, {"b": decode_batches(max_reqs=6)}, SMALL)
+test_native_decode_lens_cpu, test_native_decode_lens_kernel = face_tests(
+    check_native_decode_lens, {"b": decode_batches(max_reqs=6)}, SMALL)
+test_expand_block_table_cpu, test_expand_block_table_kernel = face_tests(
+    check_expand_block_table, {"b": decode_batches(max_reqs=6), "strided": st.booleans()},
+    {"b": decode_batches(max_reqs=3, max_context=8), "strided": st.booleans()})
+test_decode_row_requests_cpu, test_decode_row_requests_kernel = face_tests(
+    check_decode_row_requests, {"b": decode_batches(max_reqs=6)}, SMALL)
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
@@ -195,17 +140,8 @@ def check_cap_context_lens(face: str, case) -> None:
                                                 max_context_len)
 
 
-@CPU_EXAMPLES
-@given(case=cap_cases())
-def test_cap_context_lens_cpu(case):
-    check_cap_context_lens("cpu", case)
-
-
-@KERNEL_MARK
-@KERNEL_EXAMPLES
-@given(case=cap_cases(max_rows=3))
-def test_cap_context_lens_kernel(case):
-    check_cap_context_lens("kernel", case)
+test_cap_context_lens_cpu, test_cap_context_lens_kernel = face_tests(
+    check_cap_context_lens, {"case": cap_cases()}, {"case": cap_cases(max_rows=3)})
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)

@@ -5,18 +5,7 @@ import math
 import pytest
 import reference_meta as ref
 import torch
-from faces import (
-    CPU_EXAMPLES,
-    FACE_NAMES,
-    KERNEL_EXAMPLES,
-    KERNEL_MARK,
-    i32,
-    opcheck_test,
-    run_op,
-    strided_rows,
-    validation_test,
-)
-from hypothesis import given
+from faces import FACE_NAMES, face_tests, i32, opcheck_test, run_op, strided_rows, validation_test
 from hypothesis import strategies as st
 from strategies import decode_batches
 
@@ -57,17 +46,8 @@ def check_compress(face: str, case) -> None:
     assert out.tolist() == ref.compress_block_table(table, factor)
 
 
-@CPU_EXAMPLES
-@given(case=block_tables())
-def test_compress_block_table_cpu(case):
-    check_compress("cpu", case)
-
-
-@KERNEL_MARK
-@KERNEL_EXAMPLES
-@given(case=block_tables())
-def test_compress_block_table_kernel(case):
-    check_compress("kernel", case)
+test_compress_block_table_cpu, test_compress_block_table_kernel = face_tests(
+    check_compress, {"case": block_tables()})
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
@@ -128,30 +108,10 @@ def check_unpack(face: str, case) -> None:
     assert_same_bits(out, values(rows, dtype, feature))
 
 
-@CPU_EXAMPLES
-@given(case=pack_cases())
-def test_pack_decode_rows_cpu(case):
-    check_pack("cpu", case)
-
-
-@CPU_EXAMPLES
-@given(case=unpack_cases())
-def test_unpack_decode_rows_cpu(case):
-    check_unpack("cpu", case)
-
-
-@KERNEL_MARK
-@KERNEL_EXAMPLES
-@given(case=pack_cases(max_reqs=3))
-def test_pack_decode_rows_kernel(case):
-    check_pack("kernel", case)
-
-
-@KERNEL_MARK
-@KERNEL_EXAMPLES
-@given(case=unpack_cases(max_reqs=3))
-def test_unpack_decode_rows_kernel(case):
-    check_unpack("kernel", case)
+test_pack_decode_rows_cpu, test_pack_decode_rows_kernel = face_tests(
+    check_pack, {"case": pack_cases()}, {"case": pack_cases(max_reqs=3)})
+test_unpack_decode_rows_cpu, test_unpack_decode_rows_kernel = face_tests(
+    check_unpack, {"case": unpack_cases()}, {"case": unpack_cases(max_reqs=3)})
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)

@@ -3,16 +3,7 @@
 import pytest
 import reference_meta as ref
 import torch
-from faces import (
-    CPU_EXAMPLES,
-    FACE_NAMES,
-    KERNEL_EXAMPLES,
-    KERNEL_MARK,
-    i32,
-    opcheck_test,
-    run_op,
-    validation_test,
-)
+from faces import FACE_NAMES, face_tests, i32, opcheck_test, run_op, validation_test
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import batches, dcp_configs
@@ -85,17 +76,8 @@ def check_chunk_bounds(face: str, case) -> None:
         assert out.tolist() == want, name
 
 
-@CPU_EXAMPLES
-@given(case=chunk_cases())
-def test_prefill_chunk_bounds_cpu(case):
-    check_chunk_bounds("cpu", case)
-
-
-@KERNEL_MARK
-@KERNEL_EXAMPLES
-@given(case=chunk_cases(max_reqs=3))
-def test_prefill_chunk_bounds_kernel(case):
-    check_chunk_bounds("kernel", case)
+test_prefill_chunk_bounds_cpu, test_prefill_chunk_bounds_kernel = face_tests(
+    check_chunk_bounds, {"case": chunk_cases()}, {"case": chunk_cases(max_reqs=3)})
 
 
 @given(case=chunk_cases())

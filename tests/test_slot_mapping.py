@@ -3,17 +3,7 @@
 import pytest
 import reference_meta as ref
 import torch
-from faces import (
-    CPU_EXAMPLES,
-    FACE_NAMES,
-    KERNEL_EXAMPLES,
-    KERNEL_MARK,
-    i32,
-    opcheck_test,
-    run_op,
-    strided_rows,
-    validation_test,
-)
+from faces import FACE_NAMES, face_tests, i32, opcheck_test, run_op, strided_rows, validation_test
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import BatchSpec, batches, dcp_configs
@@ -56,17 +46,9 @@ def check_compressed(face: str, case) -> None:
         b.query_start_loc, b.seq_lens, table, b.num_tokens, b.block_size, ratio, world, rank)
 
 
-@CPU_EXAMPLES
-@given(case=compressed_cases())
-def test_compressed_slot_mapping_cpu(case):
-    check_compressed("cpu", case)
-
-
-@KERNEL_MARK
-@KERNEL_EXAMPLES
-@given(case=compressed_cases(max_decodes=2, max_prefills=1))
-def test_compressed_slot_mapping_kernel(case):
-    check_compressed("kernel", case)
+test_compressed_slot_mapping_cpu, test_compressed_slot_mapping_kernel = face_tests(
+    check_compressed, {"case": compressed_cases()},
+    {"case": compressed_cases(max_decodes=2, max_prefills=1)})
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
@@ -140,17 +122,8 @@ def check_kpool(face: str, case) -> None:
                                                        kpool)
 
 
-@CPU_EXAMPLES
-@given(case=kpool_cases())
-def test_kpool_tail_slot_mapping_cpu(case):
-    check_kpool("cpu", case)
-
-
-@KERNEL_MARK
-@KERNEL_EXAMPLES
-@given(case=kpool_cases(max_decodes=2, max_prefills=1))
-def test_kpool_tail_slot_mapping_kernel(case):
-    check_kpool("kernel", case)
+test_kpool_tail_slot_mapping_cpu, test_kpool_tail_slot_mapping_kernel = face_tests(
+    check_kpool, {"case": kpool_cases()}, {"case": kpool_cases(max_decodes=2, max_prefills=1)})
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
