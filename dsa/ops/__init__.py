@@ -4,6 +4,7 @@ Importing this package registers the ops; ``FACES`` maps op names to their three
 (CPU torch, CUDA Triton/DeepGEMM, fake). One module or folder per family:
 
 - ``decode_meta``, ``prefill_meta``, ``dcp``, ``layout``, ``write_slots``: metadata;
+- ``pad``: a live batch padded into a captured bucket's static buffers;
 - ``quant``, ``kcache``: fp8 quantisation, the paged K cache (write, gather);
 - ``logits/``: MQA logits (paged, ragged, DeepGEMM schedule);
 - ``topk/``: top-k selection and the index-to-slot transform.
@@ -17,6 +18,7 @@ from dsa.ops import (
     kcache,
     layout,
     logits,
+    pad,
     prefill_meta,
     quant,
     topk,
@@ -31,6 +33,7 @@ __all__ = [
     "kcache",
     "layout",
     "logits",
+    "pad",
     "prefill_meta",
     "quant",
     "topk",

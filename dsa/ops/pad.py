@@ -1,0 +1,147 @@
+"""Padding a live batch into a captured bucket's static buffers, in one launch (design §9).
+
+``dsa::pad_batch_out`` writes a live batch of R requests, T tokens and block-table width W
+into buffers of capacity R' >= R requests, T' >= T tokens and width W' >= W::
+
+    out_query_start_loc = query_start_loc, then query_start_loc[R] repeated R' - R times
+    out_seq_lens        = seq_lens, then 0        (padding requests: query_len 0, seq_len 0)
+    out_block_table     = the live rows in the first W columns, 0 everywhere else
+    out_slot_mapping    = slot_mapping, then -1   (padding tokens write nothing)
+    out_positions       = positions, then 0
+
+It replaces a dozen small copies and fills (``StaticBatch.load``) with one Triton program
+per padded request plus one per block of tokens. Live tensors may be int32 or int64; the
+buffers keep their own dtypes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dsa.ops._checks import INDEX_DTYPES, POSITION_DTYPES, check_size, check_tensor
+from dsa.ops._launch import block_for
+from dsa.ops._registry import dsa_op
+
+LIVE_DTYPES = (torch.int32, torch.int64)
+_OP = "pad_batch_out"
+
+
+@dsa_op(_OP, mutates_args=("out_query_start_loc", "out_seq_lens", "out_block_table",
+                           "out_slot_mapping", "out_positions"))
+def _check_pad_batch(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
+                     slot_mapping: Tensor, positions: Tensor, out_query_start_loc: Tensor,
+                     out_seq_lens: Tensor, out_block_table: Tensor, out_slot_mapping: Tensor,
+                     out_positions: Tensor) -> None:
+    qsl = check_tensor(_OP, "query_start_loc", query_start_loc, dtype=LIVE_DTYPES, ndim=1,
+                       contiguous=True)
+    if qsl.shape[0] < 1:
+        raise ValueError(f"dsa.{_OP}: `query_start_loc` must have num_reqs + 1 >= 1 entries, "
+                         "got 0")
+    reqs = qsl.shape[0] - 1
+    live = {"seq_lens": (seq_lens, 1), "block_table": (block_table, 2),
+            "slot_mapping": (slot_mapping, 1), "positions": (positions, 1)}
+    for name, (t, ndim) in live.items():
+        check_tensor(_OP, name, t, dtype=LIVE_DTYPES, ndim=ndim, contiguous=ndim == 1, like=qsl)
+    check_size(_OP, "seq_lens", seq_lens, 0, reqs, "num_reqs = len(query_start_loc) - 1")
+    check_size(_OP, "block_table", block_table, 0, reqs, "num_reqs = len(query_start_loc) - 1")
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise ValueError(f"dsa.{_OP}: `block_table` rows must be contiguous (stride(1) == 1), "
+                         f"got strides {block_table.stride()}")
+    tokens = slot_mapping.shape[0]
+    check_size(_OP, "positions", positions, 0, tokens, "num_tokens = len(slot_mapping)")
+    out = {"out_query_start_loc": (out_query_start_loc, INDEX_DTYPES, 1),
+           "out_seq_lens": (out_seq_lens, INDEX_DTYPES, 1),
+           "out_block_table": (out_block_table, INDEX_DTYPES, 2),
+           "out_slot_mapping": (out_slot_mapping, torch.int64, 1),
+           "out_positions": (out_positions, POSITION_DTYPES, 1)}
+    for name, (t, dtype, ndim) in out.items():
+        check_tensor(_OP, name, t, dtype=dtype, ndim=ndim, contiguous=True, like=qsl)
+    cap_reqs, cap_tokens = out_seq_lens.shape[0], out_slot_mapping.shape[0]
+    what = "capacity = len(out_seq_lens)"
+    check_size(_OP, "out_query_start_loc", out_query_start_loc, 0, cap_reqs + 1, what + " + 1")
+    check_size(_OP, "out_block_table", out_block_table, 0, cap_reqs, what)
+    check_size(_OP, "out_positions", out_positions, 0, cap_tokens,
+               "capacity = len(out_slot_mapping)")
+    width, cap_width = block_table.shape[1], out_block_table.shape[1]
+    if reqs > cap_reqs or tokens > cap_tokens or width > cap_width:
+        raise ValueError(
+            f"dsa.{_OP}: a batch of {reqs} requests, {tokens} tokens and block-table width "
+            f"{width} does not fit capacity {cap_reqs} requests, {cap_tokens} tokens, width "
+            f"{cap_width}"
+        )
+
+
+@_check_pad_batch.cpu
+def _pad_batch_cpu(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
+                   slot_mapping: Tensor, positions: Tensor, out_query_start_loc: Tensor,
+                   out_seq_lens: Tensor, out_block_table: Tensor, out_slot_mapping: Tensor,
+                   out_positions: Tensor) -> None:
+    _check_pad_batch(query_start_loc, seq_lens, block_table, slot_mapping, positions,
+                     out_query_start_loc, out_seq_lens, out_block_table, out_slot_mapping,
+                     out_positions)
+    reqs, width = block_table.shape
+    out_query_start_loc[: reqs + 1].copy_(query_start_loc)
+    out_query_start_loc[reqs + 1:].copy_(query_start_loc[reqs:].expand(
+        out_query_start_loc.shape[0] - reqs - 1))
+    _copy_and_fill(out_seq_lens, seq_lens, 0)
+    out_block_table.zero_()
+    out_block_table[:reqs, :width].copy_(block_table)
+    _copy_and_fill(out_slot_mapping, slot_mapping, -1)
+    _copy_and_fill(out_positions, positions, 0)
+
+
+def _copy_and_fill(out: Tensor, src: Tensor, fill: int) -> None:
+    out[: src.shape[0]].copy_(src)
+    out[src.shape[0]:].fill_(fill)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "width", "table_stride"])
+def _pad_batch_kernel(qsl_ptr, seq_ptr, table_ptr, table_stride, slot_ptr, pos_ptr,
+                      out_qsl_ptr, out_seq_ptr, out_table_ptr, out_slot_ptr, out_pos_ptr,
+                      num_reqs, num_tokens, width, cap_reqs, cap_tokens, cap_width,
+                      BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(out_qsl_ptr, tl.load(qsl_ptr))
+    if pid < cap_reqs:
+        real = pid < num_reqs
+        tl.store(out_seq_ptr + pid, tl.load(seq_ptr + pid, mask=real, other=0))
+        tl.store(out_qsl_ptr + pid + 1, tl.load(qsl_ptr + tl.minimum(pid + 1, num_reqs)))
+        live_width = tl.where(real, width, 0)
+        cols = tl.arange(0, BLOCK_W)
+        src_row = table_ptr + pid.to(tl.int64) * table_stride
+        dst_row = out_table_ptr + pid.to(tl.int64) * cap_width
+        for start in range(0, cap_width, BLOCK_W):
+            col = start + cols
+            entry = tl.load(src_row + col, mask=col < live_width, other=0)
+            tl.store(dst_row + col, entry, mask=col < cap_width)
+    else:
+        t = (pid - cap_reqs) * BLOCK_T + tl.arange(0, BLOCK_T)
+        real_tok = t < num_tokens
+        in_range = t < cap_tokens
+        tl.store(out_slot_ptr + t, tl.load(slot_ptr + t, mask=real_tok, other=-1), mask=in_range)
+        tl.store(out_pos_ptr + t, tl.load(pos_ptr + t, mask=real_tok, other=0), mask=in_range)
+
+
+@_check_pad_batch.cuda
+def _pad_batch_cuda(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
+                    slot_mapping: Tensor, positions: Tensor, out_query_start_loc: Tensor,
+                    out_seq_lens: Tensor, out_block_table: Tensor, out_slot_mapping: Tensor,
+                    out_positions: Tensor) -> None:
+    _check_pad_batch(query_start_loc, seq_lens, block_table, slot_mapping, positions,
+                     out_query_start_loc, out_seq_lens, out_block_table, out_slot_mapping,
+                     out_positions)
+    reqs, width = block_table.shape
+    cap_reqs, cap_width = out_block_table.shape
+    cap_tokens = out_slot_mapping.shape[0]
+    block_t = block_for(cap_tokens)
+    grid = (max(1, cap_reqs + triton.cdiv(cap_tokens, block_t)),)
+    _pad_batch_kernel[grid](
+        query_start_loc, seq_lens, block_table, block_table.stride(0), slot_mapping, positions,
+        out_query_start_loc, out_seq_lens, out_block_table, out_slot_mapping, out_positions,
+        reqs, slot_mapping.shape[0], width, cap_reqs, cap_tokens, cap_width,
+        BLOCK_W=block_for(cap_width), BLOCK_T=block_t,
+    )
