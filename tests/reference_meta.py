@@ -261,3 +261,24 @@ def split_prefill_chunks(seq_lens: Sequence[int], query_lens: Sequence[int],
             chunks.append((slice(first, last), slice(q, min(q + piece, total_q))))
             q += piece
     return chunks
+
+
+# --- §9 padding ----------------------------------------------------------------------------
+
+
+def pad_batch(qsl: Sequence[int], seq_lens: Sequence[int], block_table: Rows,
+              slot_mapping: Sequence[int], positions: Sequence[int], num_reqs: int,
+              num_tokens: int, width: int) -> tuple[list[int], list[int], Rows, list[int],
+                                                    list[int]]:
+    """A live batch in a bucket of ``num_reqs`` requests, ``num_tokens`` tokens and table
+    ``width``: extra offsets repeat the live total, seq_len 0, table entries 0, slot -1,
+    position 0."""
+    live_reqs = len(seq_lens)
+    out_qsl = [qsl[min(r, live_reqs)] for r in range(num_reqs + 1)]
+    out_seq = [seq_lens[r] if r < live_reqs else 0 for r in range(num_reqs)]
+    out_table = [[block_table[r][c] if r < live_reqs and c < len(block_table[r]) else 0
+                  for c in range(width)] for r in range(num_reqs)]
+    live_tokens = len(slot_mapping)
+    out_slots = [slot_mapping[t] if t < live_tokens else -1 for t in range(num_tokens)]
+    out_pos = [positions[t] if t < live_tokens else 0 for t in range(num_tokens)]
+    return out_qsl, out_seq, out_table, out_slots, out_pos

@@ -1,0 +1,132 @@
+"""pad_batch_out (design §9): a live batch padded into static buffers, on every face, against
+the loop reference."""
+
+import pytest
+import reference_meta as ref
+import torch
+from faces import (
+    CPU_EXAMPLES,
+    FACE_NAMES,
+    HAS_CUDA,
+    KERNEL_EXAMPLES,
+    KERNEL_MARK,
+    i32,
+    opcheck_test,
+    run_op,
+    strided_rows,
+    validation_test,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import BatchSpec, batches
+
+GARBAGE = 12345
+
+
+def buffers(num_reqs: int, num_tokens: int, width: int) -> tuple[torch.Tensor, ...]:
+    """Static buffers full of garbage, so an entry the op leaves unwritten shows."""
+    full = lambda shape, dtype: torch.full(shape, GARBAGE, dtype=dtype)
+    return (full((num_reqs + 1,), torch.int32), full((num_reqs,), torch.int32),
+            full((num_reqs, width), torch.int32), full((num_tokens,), torch.int64),
+            full((num_tokens,), torch.int64))
+
+
+def pad_into(face: str, live: tuple, out: tuple) -> list:
+    """Runs the op on ``face``; returns the buffers' contents as lists."""
+    if face == "kernel" and HAS_CUDA:
+        on_gpu = [t.cuda() for t in out]
+        torch.ops.dsa.pad_batch_out(*(t.cuda() for t in live), *on_gpu)
+        out = tuple(t.cpu() for t in on_gpu)
+    else:
+        run_op(face, "pad_batch_out", *live, *out)
+    return [t.tolist() for t in out]
+
+
+def live_tensors(b: BatchSpec) -> tuple[torch.Tensor, ...]:
+    t = b.tensors()
+    return t.query_start_loc, t.seq_lens, t.block_table, t.slot_mapping, t.positions
+
+
+def check_pad(face: str, b: BatchSpec, extra_reqs: int, extra_tokens: int,
+              extra_width: int) -> None:
+    live = live_tensors(b)
+    cap = (b.num_reqs + extra_reqs, b.num_tokens + extra_tokens, b.width + extra_width)
+    got = pad_into(face, live, buffers(*cap))
+    want = ref.pad_batch(b.query_start_loc, b.seq_lens, [list(r) for r in b.block_table],
+                         b.slot_mapping, b.positions, *cap)
+    assert got == list(want)
+
+
+extras = st.integers(0, 3)
+
+
+@given(b=batches(), extra_reqs=extras, extra_tokens=extras, extra_width=extras)
+@CPU_EXAMPLES
+def test_pad_batch_cpu(b, extra_reqs, extra_tokens, extra_width):
+    check_pad("cpu", b, extra_reqs, extra_tokens, extra_width)
+
+
+@KERNEL_MARK
+@given(b=batches(max_decodes=2, max_prefills=1), extra_reqs=extras, extra_tokens=extras,
+       extra_width=extras)
+@KERNEL_EXAMPLES
+def test_pad_batch_kernel(b, extra_reqs, extra_tokens, extra_width):
+    check_pad("kernel", b, extra_reqs, extra_tokens, extra_width)
+
+
+def live_example(table: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    return (i32([0, 2, 3, 5]), i32([10, 7, 12]),
+            i32([[4, 5], [6, 7], [8, 9]]) if table is None else table,
+            torch.tensor([264, 265, 390, 523, 524]), i32([8, 9, 6, 10, 11]))
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_pad_batch_design_example(face):
+    """design §9: int32 positions and a row-strided table pad like the contiguous case."""
+    got = pad_into(face, live_example(strided_rows(i32([[4, 5], [6, 7], [8, 9]]))),
+                   buffers(5, 8, 3))
+    assert got == [[0, 2, 3, 5, 5, 5], [10, 7, 12, 0, 0],
+                   [[4, 5, 0], [6, 7, 0], [8, 9, 0], [0, 0, 0], [0, 0, 0]],
+                   [264, 265, 390, 523, 524, -1, -1, -1], [8, 9, 6, 10, 11, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_pad_batch_of_no_requests_and_into_no_room(face):
+    empty = (i32([0]), i32([]), i32([]).view(0, 2), torch.tensor([], dtype=torch.int64),
+             torch.tensor([], dtype=torch.int64))
+    assert pad_into(face, empty, buffers(2, 3, 2)) == [
+        [0, 0, 0], [0, 0], [[0, 0], [0, 0]], [-1, -1, -1], [0, 0, 0]]
+    assert pad_into(face, empty, buffers(0, 0, 2)) == [[0], [], [], [], []]
+
+
+def test_pad_batch_fake_face_returns_nothing():
+    assert run_op("fake", "pad_batch_out", *live_example(), *buffers(5, 8, 3)) is None
+
+
+test_pad_batch_opcheck = opcheck_test(
+    [(*live_example(), *buffers(5, 8, 3)),
+     (*live_example(strided_rows(i32([[4, 5], [6, 7], [8, 9]]))), *buffers(3, 5, 2))],
+    op="pad_batch_out",
+)
+
+test_pad_batch_validation = validation_test(
+    [
+        ((*live_example(), *buffers(2, 8, 3)), ValueError,
+         "pad_batch_out: a batch of 3 requests, 5 tokens and block-table width 2 does not fit "
+         "capacity 2 requests, 8 tokens, width 3"),
+        ((*live_example(), *buffers(5, 4, 3)), ValueError, "does not fit capacity"),
+        ((*live_example(), *buffers(5, 8, 1)), ValueError, "does not fit capacity"),
+        ((*live_example()[:4], i32([1, 2]), *buffers(5, 8, 3)), ValueError,
+         r"pad_batch_out: `positions` must have size 5 \(num_tokens = len\(slot_mapping\)\)"),
+        ((live_example()[0].float(), *live_example()[1:], *buffers(5, 8, 3)), TypeError,
+         "pad_batch_out: `query_start_loc` must be torch.int32 or torch.int64, got "
+         "torch.float32"),
+        ((*live_example(), *buffers(5, 8, 3)[:3], torch.zeros(8, dtype=torch.int32),
+          buffers(5, 8, 3)[4]), TypeError,
+         "pad_batch_out: `out_slot_mapping` must be torch.int64, got torch.int32"),
+        ((*live_example(), torch.zeros(5, dtype=torch.int32), *buffers(5, 8, 3)[1:]),
+         ValueError, r"`out_query_start_loc` must have size 6 \(capacity = len\(out_seq_lens\) "
+         r"\+ 1\)"),
+    ],
+    op="pad_batch_out",
+)
