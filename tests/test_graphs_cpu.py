@@ -1,10 +1,16 @@
-"""dsa.graphs pieces that need no GPU: capture sizes, buckets, static batches and padding."""
+"""dsa.graphs pieces that need no GPU: capture sizes, buckets, static batches and padding,
+and a compiled step over bucket prefixes of one set of buffers (what the runner captures)."""
+
+import copy
+import random
 
 import pytest
 import torch
 
-from dsa.graphs import StaticBatch, bucket_for, capture_sizes, pad_batch
+import dsa
+from dsa.graphs import DecodeGraphRunner, StaticBatch, bucket_for, capture_sizes, pad_batch
 from dsa.meta.batch import Batch
+from tests.batches import random_decode_batch, table_width
 
 
 def live_batch() -> Batch:
@@ -71,3 +77,76 @@ def test_static_batch_rejects_oversized_batches_and_wrong_inputs():
     small = pad_batch(live_batch(), 3, 5)
     with pytest.raises(ValueError, match=r"expected token inputs \['hidden'\], got \[\]"):
         StaticBatch(3, 5, 2, token_inputs={"hidden": ((3,), torch.float32)}).load(small)
+
+
+def test_static_batch_prefix_shares_the_buffers():
+    static = StaticBatch(4, 8, 3, token_inputs={"hidden": ((2,), torch.float32)})
+    view = static.prefix(2, 4)
+    assert (view.num_reqs, view.num_tokens) == (2, 4)
+    assert view.batch.query_start_loc.shape == (3,) and view.batch.block_table.shape == (2, 3)
+    assert view.inputs["hidden"].shape == (4, 2)
+    for whole, part in zip((*static.batch.__dict__.values(), static.inputs["hidden"]),
+                           (*view.batch.__dict__.values(), view.inputs["hidden"])):
+        assert part.data_ptr() == whole.data_ptr()
+    view.batch.seq_lens[1] = 9
+    assert static.batch.seq_lens.tolist() == [0, 9, 0, 0]
+    with pytest.raises(ValueError, match="5 requests and 4 tokens exceed capacity 4 requests"):
+        static.prefix(5, 4)
+
+
+def test_static_batch_pad_in_place_equals_load():
+    """An engine writes its live rows in place and pads; the batch equals ``load``'s."""
+    live = live_batch()
+    loaded = StaticBatch(5, 8, 3)
+    loaded.load(live)
+    in_place = StaticBatch(5, 8, 3)
+    in_place.batch.slot_mapping.fill_(77)  # stale rows of an earlier step
+    in_place.batch.block_table.fill_(77)
+    view = in_place.prefix(live.num_reqs, live.num_tokens).batch
+    for name in ("query_start_loc", "seq_lens", "slot_mapping", "positions"):
+        getattr(view, name).copy_(getattr(live, name))
+    view.block_table[:, :2].copy_(live.block_table)
+    view.block_table[:, 2:].zero_()
+    in_place.pad(live.num_reqs, live.num_tokens)
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions"):
+        assert torch.equal(getattr(in_place.batch, name), getattr(loaded.batch, name)), name
+
+
+def test_decode_graph_runner_needs_cuda_and_a_table_width():
+    cfg = dsa.IndexerConfig(max_num_reqs=4, max_num_batched_tokens=8, max_model_len=256)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        DecodeGraphRunner(lambda b: b.seq_lens, cfg, table_width=4, device="cpu")
+
+
+def test_compiled_step_over_bucket_prefixes_matches_eager():
+    """What ``DecodeGraphRunner`` captures: each bucket's step reads a prefix of one set of
+    buffers, which ``load`` fills; no recompile within a bucket, equal to eager."""
+    torch._dynamo.reset()
+    cfg = dsa.IndexerConfig(max_num_reqs=4, max_num_batched_tokens=8, max_model_len=256,
+                            next_n=2, topk=16, num_blocks=4 * 4)
+    width = table_width(cfg)
+    layer = dsa.Indexer(cfg, hidden_size=32, q_lora_rank=16, dtype=torch.float32)
+    eager_layer = copy.deepcopy(layer)
+
+    def step(batch, hidden, q_latent):
+        return layer(hidden, q_latent, batch.positions, dsa.build_decode_metadata(cfg, batch))
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    buffers = StaticBatch(4, 8, width, token_inputs={"hidden": ((32,), torch.float32),
+                                                     "q_latent": ((16,), torch.float32)})
+    rng = random.Random(0)
+    for bucket, num_reqs in [(4, 4), (2, 1), (4, 3), (2, 2), (4, 1)]:
+        static = buffers.prefix(bucket, bucket * cfg.next_n)
+        live = random_decode_batch(rng, cfg, num_reqs)
+        x = {"hidden": torch.randn(live.num_tokens, 32), "q_latent": torch.randn(live.num_tokens,
+                                                                                16)}
+        static.load(live, **x)
+        stance = "fail_on_recompile" if num_reqs in (3, 2, 1) and bucket == 4 else "default"
+        with torch.compiler.set_stance(stance):
+            got = compiled(static.batch, **static.inputs)
+        padded = pad_batch(live, bucket, bucket * cfg.next_n, width)
+        padded_x = {k: torch.cat([v, v.new_zeros(padded.num_tokens - len(v), v.shape[1])])
+                    for k, v in x.items()}
+        meta = dsa.build_decode_metadata(cfg, padded)
+        want = eager_layer(padded_x["hidden"], padded_x["q_latent"], padded.positions, meta)
+        assert torch.equal(got.indices, want.indices) and torch.equal(got.slots, want.slots)

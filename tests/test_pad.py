@@ -99,6 +99,24 @@ def test_pad_batch_of_no_requests_and_into_no_room(face):
     assert pad_into(face, empty, buffers(0, 0, 2)) == [[0], [], [], [], []]
 
 
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_pad_batch_in_place(face):
+    """Live tensors that are prefix views of the buffers (``StaticBatch.pad``)."""
+    out = buffers(5, 8, 2)
+    for buffer, value in zip(out, live_example()):
+        buffer[: value.shape[0]] = value
+    if face == "kernel" and HAS_CUDA:
+        out = tuple(t.cuda() for t in out)
+    live = (out[0][:4], out[1][:3], out[2][:3], out[3][:5], out[4][:5])
+    if face == "cpu" or HAS_CUDA:
+        torch.ops.dsa.pad_batch_out(*live, *out)
+    else:
+        run_op(face, "pad_batch_out", *live, *out)
+    assert [t.tolist() for t in out] == [
+        [0, 2, 3, 5, 5, 5], [10, 7, 12, 0, 0], [[4, 5], [6, 7], [8, 9], [0, 0], [0, 0]],
+        [264, 265, 390, 523, 524, -1, -1, -1], [8, 9, 6, 10, 11, 0, 0, 0]]
+
+
 def test_pad_batch_fake_face_returns_nothing():
     assert run_op("fake", "pad_batch_out", *live_example(), *buffers(5, 8, 3)) is None
 

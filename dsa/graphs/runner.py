@@ -1,11 +1,12 @@
 """Capture a compiled decode step once per batch bucket; replay it for live batches.
 
 ``dsa`` captures with ``torch.cuda.CUDAGraph`` around a ``torch.compile(fullgraph=True)``
-step rather than relying on ``mode="reduce-overhead"``: the engine already owns fixed input
-buffers (``StaticBatch``), so replay needs no extra input copies, warm-up is explicit (every
-Triton and DeepGEMM JIT kernel compiles before capture), and one memory pool serves every
-bucket. ``mode="reduce-overhead"`` works with the same step too (the K cache is a module
-buffer, so its in-place write does not make cudagraph trees skip the graph).
+step rather than relying on ``mode="reduce-overhead"``: the engine can own the fixed input
+buffers (``StaticBatch``) and write each step there, so a replay needs no input copies;
+warm-up is explicit (every Triton and DeepGEMM JIT kernel compiles before capture), and one
+memory pool serves every bucket. ``mode="reduce-overhead"`` works with the same step too
+(the K cache is a module buffer, so its in-place write does not make cudagraph trees skip
+the graph).
 """
 
 from __future__ import annotations
@@ -34,10 +35,20 @@ class DecodeGraphRunner:
         cfg: the indexer config (``next_n`` sets tokens per request of each bucket).
         token_inputs: name -> (trailing shape, dtype) of each token-major model input.
         table_width: block-table columns of the static batches.
+        buffers: input buffers the engine owns instead (a ``StaticBatch`` of at least the
+            largest bucket's requests and tokens, on ``device``); then ``token_inputs`` and
+            ``table_width`` come from it.
         sizes: batch buckets; default ``capture_sizes(cfg.max_num_reqs)``.
         compile_backend: ``torch.compile`` backend ("inductor"; "aot_eager" keeps eager
             numerics bit for bit), or ``None`` to capture the step uncompiled.
         device: a CUDA device (on the CPU, call the compiled step directly).
+
+    Every bucket reads a prefix of one set of input buffers (``buffers``): its first
+    ``bucket`` requests and ``bucket * cfg.next_n`` tokens. Three ways to replay, cheapest
+    first: write the step's batch into ``static_batch(bucket)`` in place and call
+    ``replay_in_place(bucket)``; ``load`` a live batch (one padding launch, one copy per
+    token input) then ``replay_in_place``; or ``replay`` (load, replay, and copies of the
+    live rows of the outputs).
 
     The step may return any pytree of tensors, ``dsa``'s dataclasses included
     (``IndexerOutput``, ``DecodeMetadata``); see ``live_outputs``.
@@ -48,8 +59,9 @@ class DecodeGraphRunner:
         step: Step,
         cfg: IndexerConfig,
         *,
-        token_inputs: TokenInputs,
-        table_width: int,
+        token_inputs: TokenInputs | None = None,
+        table_width: int | None = None,
+        buffers: StaticBatch | None = None,
         sizes: Sequence[int] | None = None,
         compile_backend: str | None = "inductor",
         device: torch.device | str = "cuda",
@@ -64,11 +76,10 @@ class DecodeGraphRunner:
         if compile_backend is not None:
             self.step = torch.compile(step, fullgraph=True, dynamic=False,
                                       backend=compile_backend)
-        self._static = {
-            size: StaticBatch(size, size * cfg.next_n, table_width, token_inputs=token_inputs,
-                              device=self.device)
-            for size in self.sizes
-        }
+        self.buffers = _input_buffers(buffers, token_inputs, table_width, self.sizes[-1],
+                                      cfg.next_n, self.device)
+        self._static = {size: self.buffers.prefix(size, size * cfg.next_n)
+                        for size in self.sizes}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any]] = {}
 
     def capture(self, warmup_iters: int = 2) -> None:
@@ -96,6 +107,38 @@ class DecodeGraphRunner:
         """The bucket a batch of ``num_reqs`` requests replays in."""
         return bucket_for(num_reqs, self.sizes)
 
+    def static_batch(self, bucket: int) -> StaticBatch:
+        """The input buffers ``bucket``'s graph reads: views of the first ``bucket`` requests
+        and ``bucket * cfg.next_n`` tokens of ``buffers``. Write a step's batch (padding
+        included, design §9) and token inputs there, then ``replay_in_place(bucket)``."""
+        if bucket not in self._static:
+            raise ValueError(f"DecodeGraphRunner: {bucket} is not a bucket; buckets are "
+                             f"{list(self.sizes)}")
+        return self._static[bucket]
+
+    def load(self, live: Batch, **token_inputs: Tensor) -> int:
+        """Pads ``live`` (and its token inputs) into its bucket's static batch with one
+        launch (``dsa::pad_batch_out``) and one copy per input; returns the bucket."""
+        size = self.bucket(live.num_reqs)
+        self._static[size].load(live, **token_inputs)
+        return size
+
+    def replay_in_place(self, bucket: int) -> Any:
+        """Replays ``bucket``'s graph on what its static batch holds, nothing else (no copy,
+        no check).
+
+        Returns the graph's own outputs: tensors at the bucket's capacity (rows past the
+        live tokens are padding: indices and slots -1), overwritten by the next replay of
+        any bucket (all buckets share one memory pool). Read or copy them before then.
+        """
+        try:
+            graph, outputs = self._graphs[bucket]
+        except KeyError:
+            raise RuntimeError(f"DecodeGraphRunner: bucket {bucket} is not captured; call "
+                               "capture() first") from None
+        graph.replay()
+        return outputs
+
     def replay(self, live: Batch, **token_inputs: Tensor) -> Any:
         """Runs ``live`` through its bucket's graph; returns the outputs of the real tokens
         (``live_outputs``: cut to the live tokens and cloned)."""
@@ -103,11 +146,9 @@ class DecodeGraphRunner:
         if size not in self._graphs:
             raise RuntimeError(f"DecodeGraphRunner: bucket {size} is not captured; call "
                                "capture() first")
-        static = self._static[size]
-        static.load(live, **token_inputs)
-        graph, outputs = self._graphs[size]
-        graph.replay()
-        return live_outputs(outputs, static.num_tokens, live.num_tokens)
+        self._static[size].load(live, **token_inputs)
+        outputs = self.replay_in_place(size)
+        return live_outputs(outputs, self._static[size].num_tokens, live.num_tokens)
 
 
 def live_outputs(outputs: Any, capacity: int, live_tokens: int) -> Any:
@@ -150,3 +191,26 @@ def _fill_warmup_batch(static: StaticBatch, next_n: int) -> None:
     batch.slot_mapping.fill_(-1)
     for value in static.inputs.values():
         value.normal_() if value.is_floating_point() else value.zero_()
+
+
+def _input_buffers(buffers: StaticBatch | None, token_inputs: TokenInputs | None,
+                   table_width: int | None, max_reqs: int, next_n: int,
+                   device: torch.device) -> StaticBatch:
+    """The engine's ``buffers``, checked to hold the largest bucket; else new ones."""
+    if buffers is None:
+        if table_width is None:
+            raise ValueError("DecodeGraphRunner: pass `table_width` (and `token_inputs`), or "
+                             "`buffers`")
+        return StaticBatch(max_reqs, max_reqs * next_n, table_width,
+                           token_inputs=token_inputs, device=device)
+    if token_inputs is not None or table_width is not None:
+        raise ValueError("DecodeGraphRunner: `buffers` fixes the token inputs and the table "
+                         "width; pass `token_inputs` and `table_width` only without it")
+    if buffers.num_reqs < max_reqs or buffers.num_tokens < max_reqs * next_n:
+        raise ValueError(f"DecodeGraphRunner: `buffers` hold {buffers.num_reqs} requests and "
+                         f"{buffers.num_tokens} tokens; the largest bucket needs {max_reqs} and "
+                         f"{max_reqs * next_n}")
+    if buffers.batch.seq_lens.device != device:
+        raise ValueError(f"DecodeGraphRunner: `buffers` must be on {device}, got "
+                         f"{buffers.batch.seq_lens.device}")
+    return buffers

@@ -8,17 +8,22 @@ import torch
 from torch import Tensor
 
 from dsa.meta.batch import Batch
+from dsa.ops import FACES
 
 TokenInputs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-INTEGER_DTYPES = (torch.int32, torch.int64)
+# The op's faces, called directly: outside a graph, the dispatcher's custom-op overhead
+# would be host time every padded replay pays.
+_PAD_FACES = FACES["pad_batch_out"]
 
 
 class StaticBatch:
-    """A ``Batch`` (and token-major model inputs) at a bucket's capacity.
+    """A ``Batch`` (and token-major model inputs) at a bucket's capacity, at fixed addresses.
 
-    ``load`` copies a live batch in with device-side copies only (no host sync) and pads the
-    rest: padding requests get query_len 0 and seq_len 0 (their ``query_start_loc`` entries
-    repeat the live total), padding tokens get slot -1 and position 0, padding inputs 0.
+    ``load`` pads a live batch in (``dsa::pad_batch_out``, one launch, no host sync):
+    padding requests get query_len 0 and seq_len 0 (their ``query_start_loc`` entries
+    repeat the live total), block-table entries past the live ones 0, padding tokens slot
+    -1 and position 0, padding rows of the inputs 0. An engine may instead write ``batch``
+    and ``inputs`` in place itself, padding included.
     """
 
     def __init__(self, num_reqs: int, num_tokens: int, table_width: int, *,
@@ -45,40 +50,49 @@ class StaticBatch:
     def num_tokens(self) -> int:
         return self.batch.num_tokens
 
+    def prefix(self, num_reqs: int, num_tokens: int) -> StaticBatch:
+        """The first ``num_reqs`` requests and ``num_tokens`` tokens, as views sharing these
+        buffers (every bucket of a ``DecodeGraphRunner`` is a prefix of one set)."""
+        if not (0 <= num_reqs <= self.num_reqs and 0 <= num_tokens <= self.num_tokens):
+            raise ValueError(f"StaticBatch.prefix: {num_reqs} requests and {num_tokens} tokens "
+                             f"exceed capacity {self.num_reqs} requests, {self.num_tokens} "
+                             "tokens")
+        b = self.batch
+        view = object.__new__(StaticBatch)
+        view.batch = Batch(b.query_start_loc[: num_reqs + 1], b.seq_lens[:num_reqs],
+                           b.block_table[:num_reqs], b.slot_mapping[:num_tokens],
+                           b.positions[:num_tokens])
+        view.inputs = {name: value[:num_tokens] for name, value in self.inputs.items()}
+        return view
+
+    def pad(self, num_reqs: int, num_tokens: int) -> None:
+        """Pads in place, after an engine wrote the first ``num_reqs`` requests (offsets
+        ``query_start_loc[: num_reqs + 1]``) and ``num_tokens`` tokens of ``batch``: the rest
+        becomes padding as ``load`` makes it, in one launch. Rows of ``inputs`` past
+        ``num_tokens`` stay as they are: padding tokens' outputs never depend on them."""
+        _pad_into(self.prefix(num_reqs, num_tokens).batch, self.batch)
+
     def load(self, live: Batch, **inputs: Tensor) -> None:
         """Copies ``live`` (and its token inputs) in, padding to capacity.
 
-        ``live`` must be consistent (integer tensors, ``len(seq_lens) + 1`` offsets, one
-        block-table row per request, one position per slot) and fit; each token input has one
-        row per live token and the trailing shape, dtype and device it was declared with.
+        ``live`` must be consistent (int32 or int64 tensors on this batch's device,
+        ``len(seq_lens) + 1`` offsets, one block-table row per request, one position per
+        slot) and fit; each token input has one row per live token and the trailing shape,
+        dtype and device it was declared with. Costs one launch for the batch, and one copy
+        (plus one zero fill of the padding rows) per token input.
         """
-        _check_live(live)
-        reqs, tokens = live.num_reqs, live.num_tokens
-        width = live.block_table.shape[1]
-        static = self.batch
-        if reqs > self.num_reqs or tokens > self.num_tokens or (
-            width > static.block_table.shape[1]
-        ):
-            raise ValueError(
-                f"StaticBatch.load: a batch of {reqs} requests, {tokens} tokens and block-table "
-                f"width {width} does not fit capacity {self.num_reqs} requests, "
-                f"{self.num_tokens} tokens, width {static.block_table.shape[1]}"
-            )
         if inputs.keys() != self.inputs.keys():
             raise ValueError(f"StaticBatch.load: expected token inputs {sorted(self.inputs)}, "
                              f"got {sorted(inputs)}")
+        tokens = live.num_tokens
         for name, value in inputs.items():
             _check_token_input(name, value, self.inputs[name], tokens)
-        qsl = static.query_start_loc
-        qsl[: reqs + 1].copy_(live.query_start_loc)
-        qsl[reqs + 1 :].copy_(live.query_start_loc[reqs:].expand(self.num_reqs - reqs))
-        _copy_padded(static.seq_lens, live.seq_lens, 0)
-        static.block_table.zero_()
-        static.block_table[:reqs, :width].copy_(live.block_table)
-        _copy_padded(static.slot_mapping, live.slot_mapping, -1)
-        _copy_padded(static.positions, live.positions, 0)
+        _pad_into(live, self.batch)
         for name, value in inputs.items():
-            _copy_padded(self.inputs[name], value, 0)
+            buffer = self.inputs[name]
+            buffer[:tokens].copy_(value)
+            if tokens < buffer.shape[0]:
+                buffer[tokens:].zero_()
 
 
 def pad_batch(live: Batch, num_reqs: int, num_tokens: int, table_width: int | None = None
@@ -88,28 +102,6 @@ def pad_batch(live: Batch, num_reqs: int, num_tokens: int, table_width: int | No
                          device=live.seq_lens.device)
     static.load(live)
     return static.batch
-
-
-def _check_live(live: Batch) -> None:
-    dims = {"query_start_loc": 1, "seq_lens": 1, "block_table": 2, "slot_mapping": 1,
-            "positions": 1}
-    for name, ndim in dims.items():
-        t = getattr(live, name)
-        if not isinstance(t, Tensor) or t.dtype not in INTEGER_DTYPES:
-            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
-            raise TypeError(f"StaticBatch.load: `{name}` must be an int32 or int64 tensor, "
-                            f"got {got}")
-        if t.dim() != ndim:
-            raise ValueError(f"StaticBatch.load: `{name}` must have {ndim} dimension(s), got "
-                             f"shape {tuple(t.shape)}")
-    rows = {"query_start_loc": (live.num_reqs + 1, "len(seq_lens) + 1"),
-            "block_table": (live.num_reqs, "len(seq_lens)"),
-            "positions": (live.num_tokens, "len(slot_mapping)")}
-    for name, (want, what) in rows.items():
-        got = getattr(live, name).shape[0]
-        if got != want:
-            raise ValueError(f"StaticBatch.load: `{name}` must have {want} rows ({what}), "
-                             f"got {got}")
 
 
 def _check_token_input(name: str, value: object, buffer: Tensor, tokens: int) -> None:
@@ -128,7 +120,8 @@ def _check_token_input(name: str, value: object, buffer: Tensor, tokens: int) ->
                          f"got {value.device}")
 
 
-def _copy_padded(dst: Tensor, src: Tensor, fill: int) -> None:
-    n = src.shape[0]
-    dst[:n].copy_(src)
-    dst[n:].fill_(fill)
+def _pad_into(live: Batch, static: Batch) -> None:
+    pad = _PAD_FACES.cuda if static.seq_lens.is_cuda else _PAD_FACES.cpu
+    pad(live.query_start_loc, live.seq_lens, live.block_table, live.slot_mapping,
+        live.positions, static.query_start_loc, static.seq_lens, static.block_table,
+        static.slot_mapping, static.positions)

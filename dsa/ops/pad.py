@@ -11,7 +11,9 @@ into buffers of capacity R' >= R requests, T' >= T tokens and width W' >= W::
 
 It replaces a dozen small copies and fills (``StaticBatch.load``) with one Triton program
 per padded request plus one per block of tokens. Live tensors may be int32 or int64; the
-buffers keep their own dtypes.
+buffers keep their own dtypes. The live tensors may be prefix views of the buffers
+themselves (``StaticBatch.pad``): a live entry is only ever rewritten with its own value,
+so padding in place is exact on both faces.
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ def _pad_batch_cpu(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tenso
     out_query_start_loc[reqs + 1:].copy_(query_start_loc[reqs:].expand(
         out_query_start_loc.shape[0] - reqs - 1))
     _copy_and_fill(out_seq_lens, seq_lens, 0)
-    out_block_table.zero_()
     out_block_table[:reqs, :width].copy_(block_table)
+    out_block_table[:reqs, width:].zero_()
+    out_block_table[reqs:].zero_()
     _copy_and_fill(out_slot_mapping, slot_mapping, -1)
     _copy_and_fill(out_positions, positions, 0)
 
