@@ -45,6 +45,23 @@ def host_us(fn: Callable[[], object], *, iters: int = 50) -> float:
     return 1e6 * statistics.median(times)
 
 
+def host_us_per_call(fn: Callable[[], object], *, calls: int = 20, reps: int = 25) -> float:
+    """Host time of one call of ``fn`` in µs when ``calls`` run back to back without a sync
+    (the GPU drained before each batch of calls; median over ``reps`` batches): what the host
+    spends per call while the GPU works through the queue."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
+
+
 def copy_bandwidth_bytes_per_s(num_bytes: int = 4 << 30) -> float:
     """Measured device-to-device copy bandwidth, counting bytes read plus bytes written."""
     buffers = torch.empty(2, num_bytes, dtype=torch.uint8, device="cuda")

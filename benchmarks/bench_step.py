@@ -1,11 +1,21 @@
-"""One indexer layer's decode step: CUDA-graph replay vs eager with host-built metadata.
+"""One indexer layer's decode step: the three replay paths of the CUDA graph vs eager with
+host-built metadata.
 
     python benchmarks/bench_step.py [--out BENCHMARKS.md]
 
-(a) ``DecodeGraphRunner.replay``: input copy + one graph (metadata build, projections,
-K write, logits, top-k, slots) + output copies. (b) the same layer run eagerly on metadata
-built on the host each step (``host_metadata.py``, the way engines do it today). Host time
-is the wall time of one call with the GPU drained first; device time is the CUDA-event time.
+Paths, measured in the same run on the same batch (a full bucket):
+
+- in place: the engine wrote the step's batch into ``runner.static_batch(B)``;
+  ``runner.replay_in_place(B)`` launches the graph and returns its outputs as views;
+- padding path: ``runner.load(live, ...)`` (one ``pad_batch_out`` launch, one copy per
+  token input), then ``replay_in_place``; also with one live request fewer than the bucket;
+- replay: ``runner.replay(live, ...)``: the padding path plus clones of the live outputs;
+- eager: the same layer run eagerly on metadata built on the host each step
+  (``host_metadata.py``, the way engines do it today).
+
+Host time: µs per call of 20 calls back to back without a sync (what the host spends per
+step while the GPU works); device time: CUDA events (``triton.testing.do_bench``). A path
+is host-bound when its host time exceeds its device time.
 """
 
 from __future__ import annotations
@@ -19,15 +29,16 @@ import dsa
 from dsa.graphs import DecodeGraphRunner
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import device_us, host_us, markdown_table, publish, report
+from _report import device_us, host_us_per_call, markdown_table, publish, report
 from bench_leaves import random_cache
 from host_metadata import host_built_decode_metadata
 
 SHAPES = [(1, 4096), (64, 65536), (128, 32768)]
 HIDDEN, Q_LORA_RANK = 7168, 1536  # DeepSeek V3.2
+BATCH_FIELDS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions")
 
 
-def bench_shape(batch: int, length: int) -> list[object]:
+def bench_shape(batch: int, length: int) -> list[list[object]]:
     blocks = batch * -(-length // 64)
     cfg = dsa.IndexerConfig(max_num_reqs=batch, max_num_batched_tokens=batch,
                             max_model_len=length, num_blocks=blocks)
@@ -53,18 +64,48 @@ def bench_shape(batch: int, length: int) -> list[object]:
                       "q_latent": ((Q_LORA_RANK,), torch.bfloat16)},
     )
     runner.capture()
-    graph_step = lambda: runner.replay(live, **inputs)
+    static = runner.static_batch(batch)  # the engine's own writes, once: the batch is fixed
+    for name in BATCH_FIELDS:
+        getattr(static.batch, name).copy_(getattr(live, name))
+    for name, value in inputs.items():
+        static.inputs[name].copy_(value)
+
+    def padding_path():
+        return runner.replay_in_place(runner.load(live, **inputs))
 
     def eager_step():
         meta = host_built_decode_metadata(cfg, live, qsl_cpu)
         return layer(inputs["hidden"], inputs["q_latent"], live.positions, meta).slots
 
-    overlap = _overlap(graph_step(), eager_step())
-    graph_host, eager_host = host_us(graph_step), host_us(eager_step)
-    graph_dev, eager_dev = device_us(graph_step), device_us(eager_step)
-    return [batch, length, f"{graph_host:.0f}", f"{graph_dev:.0f}", f"{eager_host:.0f}",
-            f"{eager_dev:.0f}", f"{eager_host / graph_host:.1f}x",
-            f"{eager_dev / graph_dev:.1f}x", f"{100 * overlap:.2f}%"]
+    # One request fewer than the bucket (B > 1): the padding path pads a request and its
+    # token, and zeroes the token inputs' padding row.
+    short = batch - 1 or batch
+    short_live = dsa.Batch(*(getattr(live, name)[: short + (name == "query_start_loc")]
+                             for name in BATCH_FIELDS))
+    short_inputs = {name: value[:short] for name, value in inputs.items()}
+
+    def short_padding_path():
+        return runner.replay_in_place(runner.load(short_live, **short_inputs))
+
+    want = runner.replay_in_place(batch).clone()
+    paths = {
+        "in place (`replay_in_place`)": lambda: runner.replay_in_place(batch),
+        "padding path (`load` + `replay_in_place`)": padding_path,
+        **({f"padding path, {short} live requests": short_padding_path} if short < batch
+           else {}),
+        "`replay` (load, replay, clone)": lambda: runner.replay(live, **inputs),
+        "eager, host-built metadata": eager_step,
+    }
+    rows = []
+    for path, fn in paths.items():
+        got = fn().clone()
+        rows_equal = torch.equal(got[:short], want[:short])
+        result = (f"{100 * _overlap(got, want):.2f}% overlap" if fn is eager_step
+                  else "equal" if rows_equal else "DIFFERENT")
+        host, dev = host_us_per_call(fn), device_us(fn)
+        rows.append([batch, length, path, f"{host:.1f}", f"{dev:.1f}", f"{host / dev:.2f}",
+                     result])
+    return rows
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,21 +120,23 @@ def main() -> None:
     parser.add_argument("--out", help="append the report to this markdown file")
     args = parser.parse_args()
     torch.manual_seed(0)
-    header = ["B", "L", "graph host µs", "graph device µs", "eager+host-meta host µs",
-              "eager+host-meta device µs", "host ratio", "device ratio", "top-k overlap"]
+    header = ["B", "L", "path", "host µs/step", "device µs/step", "host / device",
+              "top-k slots vs in place (live rows)"]
     rows = []
     for shape in SHAPES:
-        rows.append(bench_shape(*shape))
-        print(" | ".join(str(c) for c in rows[-1]), flush=True)
+        for row in bench_shape(*shape):
+            rows.append(row)
+            print(" | ".join(str(c) for c in row), flush=True)
         torch.cuda.empty_cache()
     text = report(
-        "Decode step of one indexer layer: CUDA graph vs eager with host-built metadata",
+        "Decode step of one indexer layer: replay paths of the CUDA graph vs eager",
         "python benchmarks/bench_step.py",
         markdown_table(header, rows),
         notes=(f"hidden {HIDDEN}, q_lora_rank {Q_LORA_RANK}, H=64, D=128, top-k 2048, "
-               "next_n 1, full contexts, bf16, logits backend auto; ratio = eager / graph; "
-               "top-k overlap: slots both runs select (their bf16 projections round "
-               "differently: inductor fuses them)"),
+               "next_n 1, full contexts, bf16, logits backend auto, `num_blocks` set; a full "
+               "bucket (no padding requests) except the row with B - 1 live requests; host µs "
+               "per step of 20 steps back to back, no sync; eager top-k overlap: slots both "
+               "runs select (their bf16 projections round differently: inductor fuses them)"),
     )
     publish(text, args.out)
 

@@ -72,6 +72,11 @@ class StaticBatch:
         ``num_tokens`` stay as they are: padding tokens' outputs never depend on them."""
         _pad_into(self.prefix(num_reqs, num_tokens).batch, self.batch)
 
+    def load_batch(self, live: Batch) -> None:
+        """Copies ``live`` in, padding to capacity (one launch); ``inputs`` are left to the
+        caller, who writes them in place."""
+        _pad_into(live, self.batch)
+
     def load(self, live: Batch, **inputs: Tensor) -> None:
         """Copies ``live`` (and its token inputs) in, padding to capacity.
 
@@ -87,7 +92,7 @@ class StaticBatch:
         tokens = live.num_tokens
         for name, value in inputs.items():
             _check_token_input(name, value, self.inputs[name], tokens)
-        _pad_into(live, self.batch)
+        self.load_batch(live)
         for name, value in inputs.items():
             buffer = self.inputs[name]
             buffer[:tokens].copy_(value)
