@@ -17,7 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import dsa
-from dsa.graphs import DecodeGraphRunner, pad_batch
+from dsa.graphs import DecodeGraphRunner, StaticBatch, pad_batch
 from dsa.ops.logits.deepgemm import deepgemm_paged_supported
 from tests.batches import random_decode_batch, table_width
 
@@ -134,6 +134,86 @@ def test_decode_step_replays_as_one_graph(name, compile_backend):
         replays = [runner.replay(live, **x) for _ in range(20)]
     for again in replays[1:]:
         assert all(torch.equal(a, b) for a, b in zip(replays[0], again))
+
+
+BATCH_FIELDS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions")
+
+
+def write_in_place(static: StaticBatch, live: dsa.Batch, x: dict[str, torch.Tensor]) -> None:
+    """What an engine does: writes the live rows into the bucket's buffers, then pads."""
+    view = static.prefix(live.num_reqs, live.num_tokens)
+    for name in BATCH_FIELDS:
+        dst, src = getattr(view.batch, name), getattr(live, name)
+        dst[tuple(slice(0, n) for n in src.shape)].copy_(src)
+    for name, value in x.items():
+        view.inputs[name].copy_(value)
+    static.pad(live.num_reqs, live.num_tokens)
+
+
+def test_in_place_replay_equals_eager_and_returns_views():
+    """Engine-owned buffers, the batch written in place, ``replay_in_place``: no sync, no
+    recompile, equal bit for bit to the uncompiled step; the outputs are the graph's own
+    tensors, which the next replay overwrites."""
+    torch._dynamo.reset()
+    cfg = make_cfg(next_n=2, logits_backend="triton")
+    width = table_width(cfg)
+    step = make_step(cfg)
+    buffers = StaticBatch(max(BUCKETS), max(BUCKETS) * cfg.next_n, width, device="cuda",
+                          token_inputs={"hidden": ((HIDDEN,), torch.bfloat16),
+                                        "q_latent": ((Q_LORA_RANK,), torch.bfloat16)})
+    runner = DecodeGraphRunner(step, cfg, buffers=buffers, sizes=BUCKETS,
+                               compile_backend="aot_eager")
+    runner.capture()
+    rng = random.Random(11)
+    for bucket in BUCKETS:
+        static = runner.static_batch(bucket)
+        assert static.batch.seq_lens.data_ptr() == buffers.batch.seq_lens.data_ptr()
+        for live in compositions(cfg, bucket, rng):
+            x = token_inputs(live.num_tokens)
+            with strict_replay():
+                write_in_place(static, live, x)
+                got = runner.replay_in_place(bucket)
+            assert got is runner._graphs[bucket][1]  # the graph's outputs, not copies
+            padded = pad_batch(live, bucket, bucket * cfg.next_n, width)
+            padded_x = {k: torch.cat([v, v.new_zeros(padded.num_tokens - len(v), v.shape[1])])
+                        for k, v in x.items()}
+            want = step(padded, **padded_x)
+            for g, w in zip(got, want):
+                assert g.shape == w.shape  # the bucket's capacity
+                assert torch.equal(g[: live.num_tokens], w[: live.num_tokens])
+                assert (g[live.num_tokens:] == -1).all()  # padding selects nothing
+    kept = [t.clone() for t in runner.replay_in_place(BUCKETS[-1])]
+    other = random_decode_batch(rng, cfg, BUCKETS[-1], device="cuda")
+    write_in_place(runner.static_batch(BUCKETS[-1]), other, token_inputs(other.num_tokens))
+    again = runner.replay_in_place(BUCKETS[-1])
+    assert not all(torch.equal(a, b) for a, b in zip(again, kept))  # views: overwritten
+
+
+def test_padding_path_equals_replay():
+    """``load`` + ``replay_in_place`` (one padding launch, views) gives what ``replay``
+    gives (the old path: load, replay, cut and clone), and so does a live batch on the
+    host."""
+    torch._dynamo.reset()
+    cfg = make_cfg(next_n=2)
+    runner = DecodeGraphRunner(
+        make_step(cfg), cfg, sizes=BUCKETS, table_width=table_width(cfg),
+        token_inputs={"hidden": ((HIDDEN,), torch.bfloat16),
+                      "q_latent": ((Q_LORA_RANK,), torch.bfloat16)},
+    )
+    runner.capture()
+    rng = random.Random(5)
+    for bucket in BUCKETS:
+        for live in compositions(cfg, bucket, rng):
+            x = token_inputs(live.num_tokens)
+            with strict_replay():
+                size = runner.load(live, **x)
+                got = [t[: live.num_tokens].clone() for t in runner.replay_in_place(size)]
+                want = runner.replay(live, **x)
+            assert size == bucket
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+            host = dsa.Batch(*(getattr(live, name).cpu() for name in BATCH_FIELDS))
+            from_host = runner.replay(host, **x)  # one pinned, non-blocking copy
+            assert all(torch.equal(g, w) for g, w in zip(from_host, want))
 
 
 @pytest.mark.parametrize("rank", [0, 1])

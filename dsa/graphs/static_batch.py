@@ -14,6 +14,7 @@ TokenInputs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 # The op's faces, called directly: outside a graph, the dispatcher's custom-op overhead
 # would be host time every padded replay pays.
 _PAD_FACES = FACES["pad_batch_out"]
+_INTEGER_DTYPES = (torch.int32, torch.int64)
 
 
 class StaticBatch:
@@ -73,18 +74,19 @@ class StaticBatch:
         _pad_into(self.prefix(num_reqs, num_tokens).batch, self.batch)
 
     def load_batch(self, live: Batch) -> None:
-        """Copies ``live`` in, padding to capacity (one launch); ``inputs`` are left to the
-        caller, who writes them in place."""
+        """Copies ``live`` in, padding to capacity (one launch; see ``load``); ``inputs`` are
+        left to the caller, who writes them in place."""
         _pad_into(live, self.batch)
 
     def load(self, live: Batch, **inputs: Tensor) -> None:
         """Copies ``live`` (and its token inputs) in, padding to capacity.
 
-        ``live`` must be consistent (int32 or int64 tensors on this batch's device,
-        ``len(seq_lens) + 1`` offsets, one block-table row per request, one position per
-        slot) and fit; each token input has one row per live token and the trailing shape,
-        dtype and device it was declared with. Costs one launch for the batch, and one copy
-        (plus one zero fill of the padding rows) per token input.
+        ``live`` must be consistent (int32 or int64 tensors, ``len(seq_lens) + 1``
+        offsets, one block-table row per request, one position per slot) and fit; its
+        tensors on the host travel in one pinned, non-blocking copy. Each token input has one
+        row per live token and the trailing shape, dtype and device it was declared with.
+        Costs one launch for the batch, and one copy (plus one zero fill of the padding rows)
+        per token input.
         """
         if inputs.keys() != self.inputs.keys():
             raise ValueError(f"StaticBatch.load: expected token inputs {sorted(self.inputs)}, "
@@ -126,7 +128,26 @@ def _check_token_input(name: str, value: object, buffer: Tensor, tokens: int) ->
 
 
 def _pad_into(live: Batch, static: Batch) -> None:
-    pad = _PAD_FACES.cuda if static.seq_lens.is_cuda else _PAD_FACES.cpu
+    device = static.seq_lens.device
+    fields = (live.query_start_loc, live.seq_lens, live.block_table, live.slot_mapping,
+              live.positions)
+    elsewhere = [i for i, t in enumerate(fields) if isinstance(t, Tensor) and t.device != device]
+    if elsewhere and all(fields[i].dtype in _INTEGER_DTYPES for i in elsewhere):
+        live = Batch(*_moved(fields, elsewhere, device))
+    pad = _PAD_FACES.cuda if device.type == "cuda" else _PAD_FACES.cpu
     pad(live.query_start_loc, live.seq_lens, live.block_table, live.slot_mapping,
         live.positions, static.query_start_loc, static.seq_lens, static.block_table,
         static.slot_mapping, static.positions)
+
+
+def _moved(fields: tuple[Tensor, ...], which: list[int], device: torch.device) -> list[Tensor]:
+    """``fields`` with those in ``which`` (on the host) moved to ``device`` in one copy:
+    packed as int64 into one pinned buffer, copied without blocking, split into views."""
+    packed = torch.cat([fields[i].reshape(-1).long() for i in which])
+    if device.type == "cuda":
+        packed = packed.pin_memory()
+    parts = packed.to(device, non_blocking=True).split([fields[i].numel() for i in which])
+    moved = list(fields)
+    for i, part in zip(which, parts):
+        moved[i] = part.view(fields[i].shape)
+    return moved
