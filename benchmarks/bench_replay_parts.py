@@ -2,15 +2,15 @@
 
     python benchmarks/bench_replay_parts.py
 
-Host time: wall time of one call with the GPU drained first (mean of 200); device time:
+Host time: wall time of one call with the GPU drained first (median of 50); device time:
 CUDA events around 200 back-to-back calls. One V3.2 indexer layer, next_n 1.
 """
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _report import host_us
 from bench_leaves import random_cache
 
 import dsa
@@ -40,20 +40,6 @@ static = runner._static[batch]
 graph, outputs = runner._graphs[batch]
 
 
-def host_us(fn, n=200):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    total = 0.0
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        total += time.perf_counter() - t
-    torch.cuda.synchronize()
-    return total / n * 1e6
-
-
 def device_us(fn, n=200):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()
@@ -66,7 +52,9 @@ def device_us(fn, n=200):
     return start.elapsed_time(end) / n * 1e3
 
 
-print(f"load {host_us(lambda: static.load(live, **inputs)):.1f} us host")
+print(f"load (one pad_batch_out launch, one copy per input) "
+      f"{host_us(lambda: static.load(live, **inputs)):.1f} us host")
 print(f"graph.replay {host_us(graph.replay):.1f} us host, {device_us(graph.replay):.1f} us dev")
 print(f"live_outputs {host_us(lambda: live_outputs(outputs, 1, 1)):.1f} us host")
+print(f"runner.replay_in_place {host_us(lambda: runner.replay_in_place(batch)):.1f} us host")
 print(f"runner.replay {host_us(lambda: runner.replay(live, **inputs)):.1f} us host")

@@ -5,18 +5,15 @@ import pytest
 import reference_meta as ref
 import torch
 from faces import (
-    CPU_EXAMPLES,
     FACE_NAMES,
     HAS_CUDA,
-    KERNEL_EXAMPLES,
-    KERNEL_MARK,
+    face_tests,
     i32,
     opcheck_test,
     run_op,
     strided_rows,
     validation_test,
 )
-from hypothesis import given
 from hypothesis import strategies as st
 from strategies import BatchSpec, batches
 
@@ -57,21 +54,10 @@ def check_pad(face: str, b: BatchSpec, extra_reqs: int, extra_tokens: int,
     assert got == list(want)
 
 
-extras = st.integers(0, 3)
-
-
-@given(b=batches(), extra_reqs=extras, extra_tokens=extras, extra_width=extras)
-@CPU_EXAMPLES
-def test_pad_batch_cpu(b, extra_reqs, extra_tokens, extra_width):
-    check_pad("cpu", b, extra_reqs, extra_tokens, extra_width)
-
-
-@KERNEL_MARK
-@given(b=batches(max_decodes=2, max_prefills=1), extra_reqs=extras, extra_tokens=extras,
-       extra_width=extras)
-@KERNEL_EXAMPLES
-def test_pad_batch_kernel(b, extra_reqs, extra_tokens, extra_width):
-    check_pad("kernel", b, extra_reqs, extra_tokens, extra_width)
+extras = {"extra_reqs": st.integers(0, 3), "extra_tokens": st.integers(0, 3),
+          "extra_width": st.integers(0, 3)}
+test_pad_batch_cpu, test_pad_batch_kernel = face_tests(
+    check_pad, {"b": batches(), **extras}, {"b": batches(max_decodes=2, max_prefills=1), **extras})
 
 
 def live_example(table: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:

@@ -77,13 +77,10 @@ def _check_pad_batch(query_start_loc: Tensor, seq_lens: Tensor, block_table: Ten
 
 
 @_check_pad_batch.cpu
-def _pad_batch_cpu(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
-                   slot_mapping: Tensor, positions: Tensor, out_query_start_loc: Tensor,
-                   out_seq_lens: Tensor, out_block_table: Tensor, out_slot_mapping: Tensor,
-                   out_positions: Tensor) -> None:
-    _check_pad_batch(query_start_loc, seq_lens, block_table, slot_mapping, positions,
-                     out_query_start_loc, out_seq_lens, out_block_table, out_slot_mapping,
-                     out_positions)
+def _pad_batch_cpu(*tensors: Tensor) -> None:
+    _check_pad_batch(*tensors)
+    (query_start_loc, seq_lens, block_table, slot_mapping, positions, out_query_start_loc,
+     out_seq_lens, out_block_table, out_slot_mapping, out_positions) = tensors
     reqs, width = block_table.shape
     out_query_start_loc[: reqs + 1].copy_(query_start_loc)
     out_query_start_loc[reqs + 1:].copy_(query_start_loc[reqs:].expand(
@@ -102,9 +99,9 @@ def _copy_and_fill(out: Tensor, src: Tensor, fill: int) -> None:
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_tokens", "width", "table_stride"])
-def _pad_batch_kernel(qsl_ptr, seq_ptr, table_ptr, table_stride, slot_ptr, pos_ptr,
+def _pad_batch_kernel(qsl_ptr, seq_ptr, table_ptr, slot_ptr, pos_ptr,
                       out_qsl_ptr, out_seq_ptr, out_table_ptr, out_slot_ptr, out_pos_ptr,
-                      num_reqs, num_tokens, width, cap_reqs, cap_tokens, cap_width,
+                      table_stride, num_reqs, num_tokens, width, cap_reqs, cap_tokens, cap_width,
                       BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr):
     pid = tl.program_id(0)
     if pid == 0:
@@ -130,21 +127,13 @@ def _pad_batch_kernel(qsl_ptr, seq_ptr, table_ptr, table_stride, slot_ptr, pos_p
 
 
 @_check_pad_batch.cuda
-def _pad_batch_cuda(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
-                    slot_mapping: Tensor, positions: Tensor, out_query_start_loc: Tensor,
-                    out_seq_lens: Tensor, out_block_table: Tensor, out_slot_mapping: Tensor,
-                    out_positions: Tensor) -> None:
-    _check_pad_batch(query_start_loc, seq_lens, block_table, slot_mapping, positions,
-                     out_query_start_loc, out_seq_lens, out_block_table, out_slot_mapping,
-                     out_positions)
-    reqs, width = block_table.shape
-    cap_reqs, cap_width = out_block_table.shape
-    cap_tokens = out_slot_mapping.shape[0]
+def _pad_batch_cuda(*tensors: Tensor) -> None:
+    _check_pad_batch(*tensors)
+    table, out_table = tensors[2], tensors[7]
+    reqs, width = table.shape
+    cap_reqs, cap_width = out_table.shape
+    tokens, cap_tokens = tensors[3].shape[0], tensors[8].shape[0]
     block_t = block_for(cap_tokens)
     grid = (max(1, cap_reqs + triton.cdiv(cap_tokens, block_t)),)
-    _pad_batch_kernel[grid](
-        query_start_loc, seq_lens, block_table, block_table.stride(0), slot_mapping, positions,
-        out_query_start_loc, out_seq_lens, out_block_table, out_slot_mapping, out_positions,
-        reqs, slot_mapping.shape[0], width, cap_reqs, cap_tokens, cap_width,
-        BLOCK_W=block_for(cap_width), BLOCK_T=block_t,
-    )
+    _pad_batch_kernel[grid](*tensors, table.stride(0), reqs, tokens, width, cap_reqs,
+                            cap_tokens, cap_width, BLOCK_W=block_for(cap_width), BLOCK_T=block_t)
