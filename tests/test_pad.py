@@ -7,6 +7,7 @@ import torch
 from faces import (
     FACE_NAMES,
     HAS_CUDA,
+    KERNEL_MARK,
     face_tests,
     i32,
     opcheck_test,
@@ -16,6 +17,8 @@ from faces import (
 )
 from hypothesis import strategies as st
 from strategies import BatchSpec, batches
+
+from dsa.ops.pad import launch_pad_batch
 
 GARBAGE = 12345
 
@@ -98,6 +101,20 @@ def test_pad_batch_in_place(face):
         torch.ops.dsa.pad_batch_out(*live, *out)
     else:
         run_op(face, "pad_batch_out", *live, *out)
+    assert [t.tolist() for t in out] == [
+        [0, 2, 3, 5, 5, 5], [10, 7, 12, 0, 0], [[4, 5], [6, 7], [8, 9], [0, 0], [0, 0]],
+        [264, 265, 390, 523, 524, -1, -1, -1], [8, 9, 6, 10, 11, 0, 0, 0]]
+
+
+@KERNEL_MARK
+def test_launch_pad_batch_in_place_takes_the_live_sizes():
+    """The raw launch ``StaticBatch.pad`` uses on CUDA: the buffers are both halves."""
+    out = buffers(5, 8, 2)
+    for buffer, value in zip(out, live_example()):
+        buffer[: value.shape[0]] = value
+    device = "cuda" if HAS_CUDA else "cpu"
+    out = tuple(t.to(device) for t in out)
+    launch_pad_batch(out * 2, 3, 5, 2)
     assert [t.tolist() for t in out] == [
         [0, 2, 3, 5, 5, 5], [10, 7, 12, 0, 0], [[4, 5], [6, 7], [8, 9], [0, 0], [0, 0]],
         [264, 265, 390, 523, 524, -1, -1, -1], [8, 9, 6, 10, 11, 0, 0, 0]]

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from dsa.meta.batch import Batch
 from dsa.ops import FACES
+from dsa.ops.pad import launch_pad_batch
 
 TokenInputs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 # The op's faces, called directly: outside a graph, the dispatcher's custom-op overhead
@@ -54,10 +55,7 @@ class StaticBatch:
     def prefix(self, num_reqs: int, num_tokens: int) -> StaticBatch:
         """The first ``num_reqs`` requests and ``num_tokens`` tokens, as views sharing these
         buffers (every bucket of a ``DecodeGraphRunner`` is a prefix of one set)."""
-        if not (0 <= num_reqs <= self.num_reqs and 0 <= num_tokens <= self.num_tokens):
-            raise ValueError(f"StaticBatch.prefix: {num_reqs} requests and {num_tokens} tokens "
-                             f"exceed capacity {self.num_reqs} requests, {self.num_tokens} "
-                             "tokens")
+        self._check_room("prefix", num_reqs, num_tokens)
         b = self.batch
         view = object.__new__(StaticBatch)
         view.batch = Batch(b.query_start_loc[: num_reqs + 1], b.seq_lens[:num_reqs],
@@ -71,7 +69,19 @@ class StaticBatch:
         ``query_start_loc[: num_reqs + 1]``) and ``num_tokens`` tokens of ``batch``: the rest
         becomes padding as ``load`` makes it, in one launch. Rows of ``inputs`` past
         ``num_tokens`` stay as they are: padding tokens' outputs never depend on them."""
-        _pad_into(self.prefix(num_reqs, num_tokens).batch, self.batch)
+        self._check_room("pad", num_reqs, num_tokens)
+        b = self.batch
+        if b.seq_lens.is_cuda:  # no views to build: the launch takes the live sizes
+            buffers = _fields(b)
+            launch_pad_batch(buffers * 2, num_reqs, num_tokens, b.block_table.shape[1])
+        else:
+            _pad_into(self.prefix(num_reqs, num_tokens).batch, b)
+
+    def _check_room(self, method: str, num_reqs: int, num_tokens: int) -> None:
+        if not (0 <= num_reqs <= self.num_reqs and 0 <= num_tokens <= self.num_tokens):
+            raise ValueError(f"StaticBatch.{method}: {num_reqs} requests and {num_tokens} "
+                             f"tokens exceed capacity {self.num_reqs} requests, "
+                             f"{self.num_tokens} tokens")
 
     def load_batch(self, live: Batch) -> None:
         """Copies ``live`` in, padding to capacity (one launch; see ``load``); ``inputs`` are
@@ -97,8 +107,10 @@ class StaticBatch:
         self.load_batch(live)
         for name, value in inputs.items():
             buffer = self.inputs[name]
-            buffer[:tokens].copy_(value)
-            if tokens < buffer.shape[0]:
+            if tokens == buffer.shape[0]:
+                buffer.copy_(value)
+            else:
+                buffer[:tokens].copy_(value)
                 buffer[tokens:].zero_()
 
 
@@ -127,17 +139,19 @@ def _check_token_input(name: str, value: object, buffer: Tensor, tokens: int) ->
                          f"got {value.device}")
 
 
+def _fields(batch: Batch) -> tuple[Tensor, ...]:
+    return (batch.query_start_loc, batch.seq_lens, batch.block_table, batch.slot_mapping,
+            batch.positions)
+
+
 def _pad_into(live: Batch, static: Batch) -> None:
     device = static.seq_lens.device
-    fields = (live.query_start_loc, live.seq_lens, live.block_table, live.slot_mapping,
-              live.positions)
+    fields = _fields(live)
     elsewhere = [i for i, t in enumerate(fields) if isinstance(t, Tensor) and t.device != device]
     if elsewhere and all(fields[i].dtype in _INTEGER_DTYPES for i in elsewhere):
         live = Batch(*_moved(fields, elsewhere, device))
     pad = _PAD_FACES.cuda if device.type == "cuda" else _PAD_FACES.cpu
-    pad(live.query_start_loc, live.seq_lens, live.block_table, live.slot_mapping,
-        live.positions, static.query_start_loc, static.seq_lens, static.block_table,
-        static.slot_mapping, static.positions)
+    pad(*_fields(live), *_fields(static))
 
 
 def _moved(fields: tuple[Tensor, ...], which: list[int], device: torch.device) -> list[Tensor]:

@@ -18,6 +18,8 @@ so padding in place is exact on both faces.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -129,11 +131,20 @@ def _pad_batch_kernel(qsl_ptr, seq_ptr, table_ptr, slot_ptr, pos_ptr,
 @_check_pad_batch.cuda
 def _pad_batch_cuda(*tensors: Tensor) -> None:
     _check_pad_batch(*tensors)
-    table, out_table = tensors[2], tensors[7]
-    reqs, width = table.shape
+    reqs, width = tensors[2].shape
+    launch_pad_batch(tensors, reqs, tensors[3].shape[0], width)
+
+
+def launch_pad_batch(tensors: Sequence[Tensor], num_reqs: int, num_tokens: int,
+                     width: int) -> None:
+    """The CUDA face's launch, unchecked, with the live sizes given: ``tensors`` are the
+    op's ten arguments, whose live half may be the buffers themselves (padding in place
+    after the first ``num_reqs`` requests, ``num_tokens`` tokens and ``width`` columns)."""
+    out_table = tensors[7]
     cap_reqs, cap_width = out_table.shape
-    tokens, cap_tokens = tensors[3].shape[0], tensors[8].shape[0]
+    cap_tokens = tensors[8].shape[0]
     block_t = block_for(cap_tokens)
     grid = (max(1, cap_reqs + triton.cdiv(cap_tokens, block_t)),)
-    _pad_batch_kernel[grid](*tensors, table.stride(0), reqs, tokens, width, cap_reqs,
-                            cap_tokens, cap_width, BLOCK_W=block_for(cap_width), BLOCK_T=block_t)
+    _pad_batch_kernel[grid](*tensors, tensors[2].stride(0), num_reqs, num_tokens, width,
+                            cap_reqs, cap_tokens, cap_width, BLOCK_W=block_for(cap_width),
+                            BLOCK_T=block_t)
