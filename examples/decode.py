@@ -47,9 +47,11 @@ class ToyEngine:
         self.cfg, self.device, self.static = cfg, device, static
         self.width = cfg.max_blocks_per_req
         self.seq_lens = [0] * len(prompt_lens)
-        # Request r owns blocks r*W .. r*W + W - 1.
-        self.block_table = torch.arange(len(prompt_lens) * self.width, dtype=torch.int32,
-                                        device=device).view(len(prompt_lens), self.width)
+        # Request r owns blocks r*W .. r*W + W - 1. The host keeps its own copy: reading the
+        # device table would sync every step.
+        table = torch.arange(len(prompt_lens) * self.width, dtype=torch.int32)
+        self.host_table = table.view(len(prompt_lens), self.width).tolist()
+        self.block_table = table.view(len(prompt_lens), self.width).to(device)
         size = 2 * (len(prompt_lens) + 1) + 2 * cfg.max_num_batched_tokens
         on_gpu = torch.device(device).type == "cuda"
         self._host = torch.empty(size, dtype=torch.int64, pin_memory=on_gpu)
@@ -65,7 +67,7 @@ class ToyEngine:
             start = self.seq_lens[r]
             for pos in range(start, start + q):
                 positions.append(pos)
-                slots.append(int(self.block_table[r, pos // bs]) * bs + pos % bs)
+                slots.append(self.host_table[r][pos // bs] * bs + pos % bs)
             self.seq_lens[r] += q
             qsl.append(qsl[-1] + q)
         return qsl, positions, slots

@@ -299,26 +299,29 @@ LIVE_HIDDEN = torch.ones(3, 4)
 
 @pytest.mark.parametrize(("fields", "inputs", "error", "match"), [
     ({"positions": torch.tensor([18.0, 19.0, 4.0])}, {}, TypeError,
-     "`positions` must be an int32 or int64 tensor, got torch.float32"),
+     "dsa.pad_batch_out: `positions` must be torch.int32 or torch.int64, got torch.float32"),
     ({"query_start_loc": torch.tensor([0, 2, 3], **I32)}, {}, ValueError,
-     r"`query_start_loc` must have 4 rows \(len\(seq_lens\) \+ 1\), got 3"),
+     r"dsa.pad_batch_out: `seq_lens` must have size 2 \(num_reqs = len\(query_start_loc\) - 1\)"
+     r" in dimension 0, got shape \(3,\)"),
     ({"block_table": torch.zeros(2, 4, **I32)}, {}, ValueError,
-     r"`block_table` must have 3 rows \(len\(seq_lens\)\), got 2"),
+     r"dsa.pad_batch_out: `block_table` must have size 3 .* got shape \(2, 4\)"),
     ({"block_table": torch.zeros(3, **I32)}, {}, ValueError,
-     r"`block_table` must have 2 dimension\(s\), got shape \(3,\)"),
+     r"dsa.pad_batch_out: `block_table` must have 2 dimension\(s\), got shape \(3,\)"),
     ({"positions": torch.tensor([18, 19])}, {}, ValueError,
-     r"`positions` must have 3 rows \(len\(slot_mapping\)\), got 2"),
+     r"dsa.pad_batch_out: `positions` must have size 3 \(num_tokens = len\(slot_mapping\)\)"),
     ({}, {"hidden": torch.ones(7, 4)}, ValueError,
-     r"token input `hidden` must have shape \(3, 4\) \(one row per live token\), got \(7, 4\)"),
+     r"StaticBatch.load: token input `hidden` must have shape \(3, 4\) \(one row per live "
+     r"token\), got \(7, 4\)"),
     ({}, {"hidden": torch.ones(2, 4)}, ValueError,
-     r"token input `hidden` must have shape \(3, 4\) .* got \(2, 4\)"),
-    ({}, {"hidden": torch.ones(3, 5)}, ValueError, r"token input `hidden` .* got \(3, 5\)"),
+     r"StaticBatch.load: token input `hidden` must have shape \(3, 4\) .* got \(2, 4\)"),
+    ({}, {"hidden": torch.ones(3, 5)}, ValueError,
+     r"StaticBatch.load: token input `hidden` .* got \(3, 5\)"),
     ({}, {"hidden": torch.ones(3, 4, dtype=torch.float64)}, TypeError,
-     "token input `hidden` must be torch.float32, got torch.float64"),
+     "StaticBatch.load: token input `hidden` must be torch.float32, got torch.float64"),
     ({}, {"hidden": torch.ones(3, 4, device="meta")}, ValueError,
-     "token input `hidden` must be on cpu, got meta"),
+     "StaticBatch.load: token input `hidden` must be on cpu, got meta"),
     ({}, {"hidden": [[1.0] * 4] * 3}, TypeError,
-     "token input `hidden` must be a torch.Tensor, got list"),
+     "StaticBatch.load: token input `hidden` must be a torch.Tensor, got list"),
 ])
 def test_static_batch_load_rejects_inconsistent_inputs(fields, inputs, error, match):
     live = {"query_start_loc": torch.tensor([0, 2, 3, 3], **I32),
@@ -327,7 +330,7 @@ def test_static_batch_load_rejects_inconsistent_inputs(fields, inputs, error, ma
             "slot_mapping": torch.tensor([34, 35, 84]),
             "positions": torch.tensor([18, 19, 4])}
     static = StaticBatch(4, 8, 4, token_inputs={"hidden": ((4,), torch.float32)})
-    with pytest.raises(error, match=f"StaticBatch.load: {match}"):
+    with pytest.raises(error, match=match):
         static.load(dsa.Batch(**{**live, **fields}), **{"hidden": LIVE_HIDDEN, **inputs})
 
 
