@@ -1,4 +1,4 @@
-"""Fixed-address input buffers of one captured bucket, and padding a live batch into them."""
+"""Fixed-address input buffers of captured buckets, and padding a live batch into them."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ from torch import Tensor
 
 from dsa.meta.batch import Batch
 from dsa.ops import FACES
-from dsa.ops.pad import launch_pad_batch
+from dsa.ops.pad import LIVE_DTYPES, launch_pad_batch
 
 TokenInputs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 # The op's faces, called directly: outside a graph, the dispatcher's custom-op overhead
 # would be host time every padded replay pays.
 _PAD_FACES = FACES["pad_batch_out"]
-_INTEGER_DTYPES = (torch.int32, torch.int64)
 
 
 class StaticBatch:
@@ -25,7 +24,8 @@ class StaticBatch:
     padding requests get query_len 0 and seq_len 0 (their ``query_start_loc`` entries
     repeat the live total), block-table entries past the live ones 0, padding tokens slot
     -1 and position 0, padding rows of the inputs 0. An engine may instead write ``batch``
-    and ``inputs`` in place itself, padding included.
+    and ``inputs`` in place itself, then ``pad`` the rest. ``prefix`` views the first
+    requests and tokens: each bucket of a ``DecodeGraphRunner`` is such a view.
     """
 
     def __init__(self, num_reqs: int, num_tokens: int, table_width: int, *,
@@ -148,13 +148,14 @@ def _pad_into(live: Batch, static: Batch) -> None:
     device = static.seq_lens.device
     fields = _fields(live)
     elsewhere = [i for i, t in enumerate(fields) if isinstance(t, Tensor) and t.device != device]
-    if elsewhere and all(fields[i].dtype in _INTEGER_DTYPES for i in elsewhere):
-        live = Batch(*_moved(fields, elsewhere, device))
+    if elsewhere and all(fields[i].dtype in LIVE_DTYPES for i in elsewhere):
+        fields = _moved(fields, elsewhere, device)
     pad = _PAD_FACES.cuda if device.type == "cuda" else _PAD_FACES.cpu
-    pad(*_fields(live), *_fields(static))
+    pad(*fields, *_fields(static))
 
 
-def _moved(fields: tuple[Tensor, ...], which: list[int], device: torch.device) -> list[Tensor]:
+def _moved(fields: tuple[Tensor, ...], which: list[int], device: torch.device
+           ) -> tuple[Tensor, ...]:
     """``fields`` with those in ``which`` (on the host) moved to ``device`` in one copy:
     packed as int64 into one pinned buffer, copied without blocking, split into views."""
     packed = torch.cat([fields[i].reshape(-1).long() for i in which])
@@ -164,4 +165,4 @@ def _moved(fields: tuple[Tensor, ...], which: list[int], device: torch.device) -
     moved = list(fields)
     for i, part in zip(which, parts):
         moved[i] = part.view(fields[i].shape)
-    return moved
+    return tuple(moved)
