@@ -9,8 +9,9 @@ into buffers of capacity R' >= R requests, T' >= T tokens and width W' >= W::
     out_slot_mapping    = slot_mapping, then -1   (padding tokens write nothing)
     out_positions       = positions, then 0
 
-It replaces a dozen small copies and fills (``StaticBatch.load``) with one Triton program
-per padded request plus one per block of tokens. Live tensors may be int32 or int64; the
+One launch replaces the dozen small copies and fills ``StaticBatch.load`` used to make: a
+Triton program per request of the bucket (its offset, length and table row) plus one per
+block of tokens. Live tensors may be int32 or int64; the
 buffers keep their own dtypes. The live tensors may be prefix views of the buffers
 themselves (``StaticBatch.pad``): a live entry is only ever rewritten with its own value,
 so padding in place is exact on both faces.
