@@ -47,9 +47,11 @@ def live_tensors(b: BatchSpec) -> tuple[torch.Tensor, ...]:
     return t.query_start_loc, t.seq_lens, t.block_table, t.slot_mapping, t.positions
 
 
-def check_pad(face: str, b: BatchSpec, extra_reqs: int, extra_tokens: int,
-              extra_width: int) -> None:
+def check_pad(face: str, b: BatchSpec, extra_reqs: int, extra_tokens: int, extra_width: int,
+              swap_dtypes: bool) -> None:
     live = live_tensors(b)
+    if swap_dtypes:  # int64 offsets, lengths and table (a packed host copy), int32 positions
+        live = (*(t.long() for t in live[:3]), live[3], live[4].int())
     cap = (b.num_reqs + extra_reqs, b.num_tokens + extra_tokens, b.width + extra_width)
     got = pad_into(face, live, buffers(*cap))
     want = ref.pad_batch(b.query_start_loc, b.seq_lens, [list(r) for r in b.block_table],
@@ -58,7 +60,7 @@ def check_pad(face: str, b: BatchSpec, extra_reqs: int, extra_tokens: int,
 
 
 extras = {"extra_reqs": st.integers(0, 3), "extra_tokens": st.integers(0, 3),
-          "extra_width": st.integers(0, 3)}
+          "extra_width": st.integers(0, 3), "swap_dtypes": st.booleans()}
 test_pad_batch_cpu, test_pad_batch_kernel = face_tests(
     check_pad, {"b": batches(), **extras}, {"b": batches(max_decodes=2, max_prefills=1), **extras})
 
