@@ -3,7 +3,8 @@
 Importing this package registers the ops; ``FACES`` maps op names to their three faces
 (CPU torch, CUDA Triton/DeepGEMM, fake). One module or folder per family:
 
-- ``decode_meta``, ``prefill_meta``, ``dcp``, ``layout``, ``write_slots``: metadata;
+- ``decode_meta``, ``decode_fused`` (all of a decode step's metadata in one launch),
+  ``prefill_meta``, ``dcp``, ``layout``, ``write_slots``: metadata;
 - ``quant``, ``kcache``: fp8 quantisation, the paged K cache (write, gather);
 - ``logits/``: MQA logits (paged, ragged, DeepGEMM schedule);
 - ``topk/``: top-k selection and the index-to-slot transform.
@@ -13,6 +14,7 @@ Adding an op: see "Adding an op" in ``docs/design.md``.
 
 from dsa.ops import (
     dcp,
+    decode_fused,
     decode_meta,
     kcache,
     layout,
@@ -27,6 +29,7 @@ from dsa.ops._registry import FACES
 __all__ = [
     "FACES",
     "dcp",
+    "decode_fused",
     "decode_meta",
     "kcache",
     "layout",
