@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import statistics
@@ -70,6 +71,21 @@ def report(title: str, command: str, table: str, notes: str = "") -> str:
         f"- command: `{command}`\n"
     )
     return header + (f"- {notes}\n" if notes else "") + "\n" + table + "\n"
+
+
+def out_path() -> str | None:
+    """The ``--out`` argument of a benchmark script: a markdown file to append its report to."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", help="append the report to this markdown file")
+    return parser.parse_args().out
+
+
+def publish(text: str, out: str | None) -> None:
+    """Prints a report and, with ``out``, appends it as a section of that file."""
+    print(text)
+    if out:
+        with open(out, "a") as f:
+            f.write("\n" + text)
 
 
 def _git_commit() -> str:

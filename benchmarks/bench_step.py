@@ -10,7 +10,6 @@ is the wall time of one call with the GPU drained first; device time is the CUDA
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -19,7 +18,7 @@ import dsa
 from dsa.graphs import DecodeGraphRunner
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import device_us, host_us, markdown_table, report
+from _report import device_us, host_us, markdown_table, out_path, publish, report
 from bench_leaves import random_cache
 from host_metadata import host_built_decode_metadata
 
@@ -75,9 +74,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", help="append the report to this markdown file")
-    args = parser.parse_args()
+    out = out_path()
     torch.manual_seed(0)
     header = ["B", "L", "graph host µs", "graph device µs", "eager+host-meta host µs",
               "eager+host-meta device µs", "host ratio", "device ratio", "top-k overlap"]
@@ -95,10 +92,7 @@ def main() -> None:
                "top-k overlap: slots both runs select (their bf16 projections round "
                "differently: inductor fuses them)"),
     )
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + text)
+    publish(text, out)
 
 
 if __name__ == "__main__":
