@@ -73,11 +73,11 @@ def report(title: str, command: str, table: str, notes: str = "") -> str:
     return header + (f"- {notes}\n" if notes else "") + "\n" + table + "\n"
 
 
-def out_path() -> str | None:
-    """The ``--out`` argument of a benchmark script: a markdown file to append its report to."""
+def bench_parser() -> argparse.ArgumentParser:
+    """A benchmark script's arguments: ``--out``, a markdown file to append its report to."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", help="append the report to this markdown file")
-    return parser.parse_args().out
+    return parser
 
 
 def publish(text: str, out: str | None) -> None:

@@ -21,10 +21,10 @@ from dsa.ops.logits.deepgemm import deepgemm_paged_supported
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _report import (
+    bench_parser,
     copy_bandwidth_bytes_per_s,
     graph_us,
     markdown_table,
-    out_path,
     publish,
     report,
 )
@@ -83,7 +83,7 @@ def bench_shape(batch: int, next_n: int, length: int, bandwidth: float) -> list[
 
 
 def main() -> None:
-    out = out_path()
+    out = bench_parser().parse_args().out
     torch.manual_seed(0)
     bandwidth = copy_bandwidth_bytes_per_s()
     header = ["B", "next_n", "L", "HBM floor µs", "dsa Triton logits µs", "of floor",

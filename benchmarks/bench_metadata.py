@@ -22,7 +22,7 @@ from dsa.meta.decode import max_context_len
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from _report import graph_us, markdown_table, out_path, publish, report
+from _report import bench_parser, graph_us, markdown_table, publish, report
 from decode_composition import composed_decode_metadata
 
 SHAPES = [(1, 4096), (1, 65536), (8, 32768), (64, 65536)]
@@ -87,7 +87,7 @@ def bench_shape(batch: int, length: int, backend: str) -> list[object] | None:
 
 
 def main() -> None:
-    out = out_path()
+    out = bench_parser().parse_args().out
     torch.manual_seed(0)
     header = ["B", "L", "backend", "fused build µs", "kernels", "small ops µs", "kernels",
               "speed-up", "equal"]

@@ -18,7 +18,7 @@ import dsa
 from dsa.graphs import DecodeGraphRunner
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import device_us, host_us, markdown_table, out_path, publish, report
+from _report import bench_parser, device_us, host_us, markdown_table, publish, report
 from bench_leaves import random_cache
 from host_metadata import host_built_decode_metadata
 
@@ -74,7 +74,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    out = out_path()
+    out = bench_parser().parse_args().out
     torch.manual_seed(0)
     header = ["B", "L", "graph host µs", "graph device µs", "eager+host-meta host µs",
               "eager+host-meta device µs", "host ratio", "device ratio", "top-k overlap"]
