@@ -27,6 +27,7 @@ from strategies import dcp_configs, decode_batches
 import dsa
 import dsa.meta.decode
 from dsa.meta.batch import Batch
+from dsa.ops.logits import deepgemm
 
 OUTPUTS = ("global_lens", "context_lens", "block_table", "token_requests", "valid_tokens",
            "slot_mapping", "schedule")
@@ -206,3 +207,32 @@ def test_decode_metadata_wide_table(face):
                       native=False, block_size=2, num_blocks=2500, max_context_len=2060,
                       deepgemm=True)
     check_fused(face, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("native", [True, False])
+def test_decode_metadata_deepgemm_schedule_gpu(native):
+    """With DeepGEMM, the schedule built from the fused op's clamped lengths is the one
+    ``paged_mqa_schedule`` builds from the capped lengths (zero lengths included)."""
+    device = torch.device("cuda")
+    if not deepgemm.schedule_supported(device, 64):
+        pytest.skip("DeepGEMM cannot build a paged-logits schedule here")
+    rng = torch.Generator().manual_seed(1)
+    batch, next_n, width = 16, 2, 32
+    seq_lens = torch.randint(0, width * 64, (batch,), dtype=torch.int32, generator=rng)
+    seq_lens[::5] = 0
+    query_lens = torch.minimum(seq_lens, torch.tensor(next_n, dtype=torch.int32))
+    qsl = torch.cat([i32([0]), query_lens.cumsum(0, dtype=torch.int32)])
+    tokens = batch * next_n
+    table = torch.randperm(batch * width, dtype=torch.int32, generator=rng).view(batch, width)
+    table[3, 5] = -1
+    args = fused_args(query_start_loc=qsl, seq_lens=seq_lens, block_table=table,
+                      positions=torch.arange(tokens), slot_mapping=torch.arange(tokens),
+                      native=native, next_n=next_n, num_blocks=batch * width, block_size=64,
+                      max_context_len=width * 64, max_model_len=width * 64, deepgemm=True)
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    got = torch.ops.dsa.decode_metadata(*args)
+    want = composed_decode_metadata(*args)
+    for name, g, w in zip(OUTPUTS, got, want, strict=True):
+        assert torch.equal(g, w), name
+    assert got[-1].shape == (deepgemm.num_sms(device) + 1, 2) and got[-1].any()
