@@ -1,8 +1,8 @@
 """Decode metadata, built on the device from the step's batch tensors (design §4, §6, §7).
 
 ``build_decode_metadata`` is made of ``torch.ops.dsa.*`` calls: one ``decode_metadata``
-launch (plus DeepGEMM's schedule kernel with that backend; compressed or kpool caches add
-their slot ops), no host sync, no data-dependent shapes, so it traces with
+launch (plus DeepGEMM's schedule kernel with that backend; a coarsened table, compressed
+or kpool caches add their ops), no host sync, no data-dependent shapes, so it traces with
 ``torch.compile(fullgraph=True)`` and runs inside the decode step's CUDA graph.
 """
 
