@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import statistics
@@ -89,8 +90,15 @@ def report(title: str, command: str, table: str, notes: str = "") -> str:
     return header + (f"- {notes}\n" if notes else "") + "\n" + table + "\n"
 
 
+def bench_parser() -> argparse.ArgumentParser:
+    """A benchmark script's arguments: ``--out``, a markdown file to append its report to."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", help="append the report to this markdown file")
+    return parser
+
+
 def publish(text: str, out: str | None) -> None:
-    """Prints a report and appends it to the markdown file ``out`` when one is given."""
+    """Prints a report and, with ``out``, appends it as a section of that file."""
     print(text)
     if out:
         with open(out, "a") as f:

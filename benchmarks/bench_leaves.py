@@ -12,7 +12,6 @@ decode step runs. Prints one table; with ``--out``, appends it as a section of t
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -21,7 +20,14 @@ import dsa
 from dsa.ops.logits.deepgemm import deepgemm_paged_supported
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import copy_bandwidth_bytes_per_s, graph_us, markdown_table, publish, report
+from _report import (
+    bench_parser,
+    copy_bandwidth_bytes_per_s,
+    graph_us,
+    markdown_table,
+    publish,
+    report,
+)
 
 SHAPES = [(1, 1, 4096), (1, 1, 65536), (8, 1, 32768), (32, 1, 32768), (64, 1, 65536),
           (128, 1, 32768), (64, 2, 32768), (256, 1, 8192)]
@@ -77,9 +83,7 @@ def bench_shape(batch: int, next_n: int, length: int, bandwidth: float) -> list[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", help="append the report to this markdown file")
-    args = parser.parse_args()
+    out = bench_parser().parse_args().out
     torch.manual_seed(0)
     bandwidth = copy_bandwidth_bytes_per_s()
     header = ["B", "next_n", "L", "HBM floor µs", "dsa Triton logits µs", "of floor",
@@ -102,7 +106,7 @@ def main() -> None:
                f"each length + torch.topk, torch.topk alone = on logits already masked; "
                f"dsa v{dsa.__version__}"),
     )
-    publish(text, args.out)
+    publish(text, out)
 
 
 if __name__ == "__main__":

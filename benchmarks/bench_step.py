@@ -20,7 +20,6 @@ is host-bound when its host time exceeds its device time.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -29,7 +28,7 @@ import dsa
 from dsa.graphs import DecodeGraphRunner
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import device_us, host_us_per_call, markdown_table, publish, report
+from _report import bench_parser, device_us, host_us_per_call, markdown_table, publish, report
 from bench_leaves import random_cache
 from host_metadata import host_built_decode_metadata
 
@@ -116,9 +115,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", help="append the report to this markdown file")
-    args = parser.parse_args()
+    out = bench_parser().parse_args().out
     torch.manual_seed(0)
     header = ["B", "L", "path", "host µs/step", "device µs/step", "host / device",
               "top-k slots vs in place (live rows)"]
@@ -138,7 +135,7 @@ def main() -> None:
                "per step of 20 steps back to back, no sync; eager top-k overlap: slots both "
                "runs select (their bf16 projections round differently: inductor fuses them)"),
     )
-    publish(text, args.out)
+    publish(text, out)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from dsa.ops._checks import (
     check_tensor,
     values_readable,
 )
+from dsa.ops.decode_meta import valid_tokens
 
 ops = torch.ops.dsa
 
@@ -157,7 +158,8 @@ def _first(mask: Tensor) -> int | tuple[int, ...] | None:
 
 
 def token_writes(cfg: IndexerConfig, batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """What both metadata builders derive per token, on the device without a sync.
+    """What the prefill builder derives per token, on the device without a sync (the decode
+    builder gets the same from ``dsa::decode_metadata``).
 
     Returns ``(token_requests, valid_tokens, request_table, slot_mapping)``: the request of
     each token (``B + k`` for padding tokens); bool ``[T]``, a real token at a position in
@@ -166,10 +168,15 @@ def token_writes(cfg: IndexerConfig, batch: Batch) -> tuple[Tensor, Tensor, Tens
     when R > 1; -1: nowhere, which every token outside ``valid_tokens`` gets).
     """
     token_requests = ops.decode_row_requests(batch.query_start_loc, batch.num_tokens)
-    positions = batch.positions
-    valid = (token_requests < batch.num_reqs) & (positions >= 0) & (
-        positions < cfg.max_model_len
-    )
+    valid = valid_tokens(token_requests, batch.positions, batch.num_reqs, cfg.max_model_len)
+    table, slots = indexer_writes(cfg, batch)
+    return token_requests, valid, table, torch.where(valid, slots, -1)
+
+
+def indexer_writes(cfg: IndexerConfig, batch: Batch) -> tuple[Tensor, Tensor]:
+    """The indexer's block table per request (coarsened by ``cfg.table_factor``) and the
+    slot each token's indexer K goes to, before masking by ``valid_tokens`` (compressed
+    states when R > 1)."""
     table = batch.block_table
     if cfg.table_factor > 1:
         table = ops.compress_block_table(table, cfg.table_factor)
@@ -179,4 +186,4 @@ def token_writes(cfg: IndexerConfig, batch: Batch) -> tuple[Tensor, Tensor, Tens
             batch.query_start_loc, batch.seq_lens, table, batch.num_tokens, cfg.block_size,
             cfg.compress_ratio, cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
         )
-    return token_requests, valid, table, torch.where(valid, slots, -1)
+    return table, slots

@@ -1,8 +1,9 @@
 """Decode metadata, built on the device from the step's batch tensors (design §4, §6, §7).
 
-``build_decode_metadata`` is made only of ``torch.ops.dsa.*`` calls and elementwise torch:
-no host sync, no data-dependent shapes, so it traces with ``torch.compile(fullgraph=True)``
-and runs inside the decode step's CUDA graph.
+``build_decode_metadata`` is made of ``torch.ops.dsa.*`` calls: one ``decode_metadata``
+launch (plus DeepGEMM's schedule kernel with that backend; a coarsened table, compressed
+or kpool caches add their ops), no host sync, no data-dependent shapes, so it traces with
+``torch.compile(fullgraph=True)`` and runs inside the decode step's CUDA graph.
 """
 
 from __future__ import annotations
@@ -14,12 +15,7 @@ from torch import Tensor
 
 from dsa._pytree import pytree_dataclass
 from dsa.config import IndexerConfig
-from dsa.meta.batch import (
-    Batch,
-    check_batch,
-    check_batch_values,
-    token_writes,
-)
+from dsa.meta.batch import Batch, check_batch, check_batch_values, indexer_writes
 from dsa.ops.logits import paged_backend
 
 ops = torch.ops.dsa
@@ -94,47 +90,31 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
     """
     check_batch("build_decode_metadata", cfg, batch)
     check_batch_values("build_decode_metadata", cfg, batch, decode=True)
-    qsl, seq_lens = batch.query_start_loc, batch.seq_lens
-    num_tokens = batch.num_tokens
-    ratio = cfg.compress_ratio
-
-    token_requests, valid, request_table, slot_mapping = token_writes(cfg, batch)
+    qsl = batch.query_start_loc
+    native = cfg.layout == "native"
+    next_n = cfg.next_n if native else 1
+    backend = paged_backend(cfg.logits_backend, qsl.device, cfg.num_heads, cfg.head_dim,
+                            cfg.block_size, next_n)
+    request_table, slots = indexer_writes(cfg, batch)
+    width = max_context_len(cfg)
+    # One launch: lengths (compressed, DCP-local, capped so that no length reaches past its
+    # logits row, its block table or onto a block outside the cache: DeepGEMM trusts its
+    # lengths, top-k must never select such keys), the rows' block tables, the token
+    # masks, and with DeepGEMM its schedule.
+    global_lens, local_lens, row_table, token_requests, valid, slot_mapping, schedule = (
+        ops.decode_metadata(
+            qsl, batch.seq_lens, request_table, batch.positions, slots, native, cfg.next_n,
+            cfg.compress_ratio, cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
+            cfg.num_blocks if cfg.num_blocks is not None else UNKNOWN_NUM_BLOCKS,
+            cfg.block_size, width, cfg.max_model_len, backend == "deepgemm",
+        )
+    )
     kpool_slots = None
     if cfg.kpool is not None:
         kpool_slots = torch.where(
             valid, ops.kpool_tail_slot_mapping(qsl, batch.block_table, batch.positions,
                                                cfg.kpool), -1,
         )
-
-    if cfg.layout == "native":
-        global_lens = ops.native_decode_lens(seq_lens, cfg.next_n)
-        row_table = request_table
-        next_n = cfg.next_n
-    else:
-        global_lens = ops.decode_token_lens(qsl, seq_lens, num_tokens).view(num_tokens, 1)
-        row_table = ops.expand_block_table(qsl, request_table, num_tokens)
-        next_n = 1
-    if ratio > 1:
-        global_lens = torch.div(global_lens, ratio, rounding_mode="floor")
-    local_lens = global_lens
-    if cfg.dcp_world > 1:
-        local_lens = ops.dcp_local_lens(global_lens, cfg.dcp_world, cfg.dcp_rank,
-                                        cfg.dcp_interleave)
-    # No length may reach past a logits row, past its block table or onto a block outside
-    # the cache (DeepGEMM trusts its lengths; top-k must never select such keys).
-    width = max_context_len(cfg)
-    num_blocks = cfg.num_blocks if cfg.num_blocks is not None else UNKNOWN_NUM_BLOCKS
-    local_lens = ops.cap_context_lens(local_lens, row_table, num_blocks, cfg.block_size, width)
-
-    backend = paged_backend(cfg.logits_backend, qsl.device, cfg.num_heads, cfg.head_dim,
-                            cfg.block_size, next_n)
-    schedule = None
-    if backend == "deepgemm":
-        # DeepGEMM reads a row's first block even at length 0 (it takes lengths >= 1): keep
-        # that entry inside the cache; the others are read only below a capped length.
-        first = row_table[:, :1].clamp(0, num_blocks - 1)
-        row_table = torch.cat([first, row_table[:, 1:]], dim=1)
-        schedule = ops.paged_mqa_schedule(local_lens, cfg.block_size)
 
     return DecodeMetadata(
         layout=cfg.layout,
@@ -149,7 +129,7 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
         slot_mapping=slot_mapping,
         kpool_slot_mapping=kpool_slots,
         logits_backend=backend,
-        schedule=schedule,
+        schedule=schedule if backend == "deepgemm" else None,
         max_context_len=width,
         num_blocks=cfg.num_blocks,
     )

@@ -3,7 +3,8 @@
 Importing this package registers the ops; ``FACES`` maps op names to their three faces
 (CPU torch, CUDA Triton/DeepGEMM, fake). One module or folder per family:
 
-- ``decode_meta``, ``prefill_meta``, ``dcp``, ``layout``, ``write_slots``: metadata;
+- ``decode_meta``, ``decode_fused`` (all of a decode step's metadata in one launch),
+  ``prefill_meta``, ``dcp``, ``layout``, ``write_slots``: metadata;
 - ``pad``: a live batch padded into a captured bucket's static buffers;
 - ``quant``, ``kcache``: fp8 quantisation, the paged K cache (write, gather);
 - ``logits/``: MQA logits (paged, ragged, DeepGEMM schedule);
@@ -14,6 +15,7 @@ Adding an op: see "Adding an op" in ``docs/design.md``.
 
 from dsa.ops import (
     dcp,
+    decode_fused,
     decode_meta,
     kcache,
     layout,
@@ -29,6 +31,7 @@ from dsa.ops._registry import FACES
 __all__ = [
     "FACES",
     "dcp",
+    "decode_fused",
     "decode_meta",
     "kcache",
     "layout",

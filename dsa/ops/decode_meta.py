@@ -48,14 +48,28 @@ def _decode_token_lens_out(query_start_loc: Tensor, seq_lens: Tensor, num_tokens
     return query_start_loc.new_empty(num_tokens, dtype=torch.int32)
 
 
-@_decode_token_lens_out.cpu
-def _decode_token_lens_cpu(query_start_loc: Tensor, seq_lens: Tensor, num_tokens: int) -> Tensor:
-    out = _decode_token_lens_out(query_start_loc, seq_lens, num_tokens)
+def token_lens(query_start_loc: Tensor, seq_lens: Tensor, num_tokens: int) -> Tensor:
+    """Torch: int64 ``[num_tokens]`` context length of each token (0 for padding tokens)."""
     num_reqs = seq_lens.numel()
     req, back = token_offsets(query_start_loc, num_tokens)
     seq = torch.cat([seq_lens.long(), seq_lens.new_zeros(1, dtype=torch.long)])
     lens = (seq[req] + back + 1).clamp_(min=0)
-    return out.copy_(torch.where(req < num_reqs, lens, 0))
+    return torch.where(req < num_reqs, lens, 0)
+
+
+@triton.jit
+def token_lens_tl(qsl_ptr, seq_lens_ptr, t, in_range, num_reqs, SEARCH_STEPS: tl.constexpr):
+    """Triton: same as ``token_lens`` for the tokens ``t``; also their requests and whether
+    they are real."""
+    req, real, back = token_offset(qsl_ptr, t, in_range, num_reqs, SEARCH_STEPS)
+    seq = tl.load(seq_lens_ptr + req, mask=real, other=0)
+    return tl.where(real, tl.maximum(seq + back + 1, 0), 0), req, real
+
+
+@_decode_token_lens_out.cpu
+def _decode_token_lens_cpu(query_start_loc: Tensor, seq_lens: Tensor, num_tokens: int) -> Tensor:
+    out = _decode_token_lens_out(query_start_loc, seq_lens, num_tokens)
+    return out.copy_(token_lens(query_start_loc, seq_lens, num_tokens))
 
 
 @triton.jit
@@ -63,10 +77,8 @@ def _decode_token_lens_kernel(qsl_ptr, seq_lens_ptr, out_ptr, num_tokens, num_re
                               SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = t < num_tokens
-    req, real, back = token_offset(qsl_ptr, t, in_range, num_reqs, SEARCH_STEPS)
-    seq = tl.load(seq_lens_ptr + req, mask=real, other=0)
-    lens = tl.maximum(seq + back + 1, 0)
-    tl.store(out_ptr + t, tl.where(real, lens, 0), mask=in_range)
+    lens, _, _ = token_lens_tl(qsl_ptr, seq_lens_ptr, t, in_range, num_reqs, SEARCH_STEPS)
+    tl.store(out_ptr + t, lens, mask=in_range)
 
 
 @_decode_token_lens_out.cuda
@@ -89,12 +101,22 @@ def _native_decode_lens_out(seq_lens: Tensor, next_n: int) -> Tensor:
     return seq_lens.new_empty((seq_lens.numel(), next_n), dtype=torch.int32)
 
 
+def native_lens(seq_lens: Tensor, next_n: int) -> Tensor:
+    """Torch: int64 ``[B, next_n]`` lengths of the right-aligned native slots."""
+    j = torch.arange(next_n, device=seq_lens.device, dtype=torch.long)
+    return (seq_lens.long().unsqueeze(1) - next_n + 1 + j).clamp_(min=0)
+
+
+@triton.jit
+def native_lens_tl(seq, j, next_n):
+    """Triton: same as ``native_lens`` for slots ``j`` of requests of length ``seq``."""
+    return tl.maximum(seq - next_n + 1 + j, 0)
+
+
 @_native_decode_lens_out.cpu
 def _native_decode_lens_cpu(seq_lens: Tensor, next_n: int) -> Tensor:
     out = _native_decode_lens_out(seq_lens, next_n)
-    j = torch.arange(next_n, device=seq_lens.device, dtype=torch.long)
-    lens = seq_lens.long().unsqueeze(1) - next_n + 1 + j
-    return out.copy_(lens.clamp_(min=0))
+    return out.copy_(native_lens(seq_lens, next_n))
 
 
 @triton.jit
@@ -102,8 +124,7 @@ def _native_decode_lens_kernel(seq_lens_ptr, out_ptr, num_slots, next_n, BLOCK: 
     slot = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = slot < num_slots
     seq = tl.load(seq_lens_ptr + slot // next_n, mask=in_range, other=0)
-    lens = tl.maximum(seq - next_n + 1 + slot % next_n, 0)
-    tl.store(out_ptr + slot, lens, mask=in_range)
+    tl.store(out_ptr + slot, native_lens_tl(seq, slot % next_n, next_n), mask=in_range)
 
 
 @_native_decode_lens_out.cuda
@@ -126,12 +147,24 @@ def _expand_block_table_out(query_start_loc: Tensor, block_table: Tensor,
     return block_table.new_empty((num_tokens, block_table.shape[1]), dtype=torch.int32)
 
 
+def expanded_table(query_start_loc: Tensor, block_table: Tensor, num_tokens: int) -> Tensor:
+    """Torch: ``[num_tokens, W]`` block-table row of each token's request (0 for padding)."""
+    padded = torch.cat([block_table, block_table.new_zeros((1, block_table.shape[1]))])
+    return padded[token_requests(query_start_loc, num_tokens)]
+
+
+@triton.jit
+def table_rows_tl(table_ptr, table_stride, req, real, col, width):
+    """Triton: rows ``req`` of a block table at columns ``col`` (0 where not ``real``)."""
+    src = table_ptr + req.to(tl.int64)[:, None] * table_stride + col[None, :]
+    return tl.load(src, mask=real[:, None] & (col < width)[None, :], other=0)
+
+
 @_expand_block_table_out.cpu
 def _expand_block_table_cpu(query_start_loc: Tensor, block_table: Tensor,
                             num_tokens: int) -> Tensor:
     out = _expand_block_table_out(query_start_loc, block_table, num_tokens)
-    padded = torch.cat([block_table, block_table.new_zeros((1, block_table.shape[1]))])
-    return out.copy_(padded[token_requests(query_start_loc, num_tokens)])
+    return out.copy_(expanded_table(query_start_loc, block_table, num_tokens))
 
 
 @triton.jit
@@ -142,12 +175,10 @@ def _expand_block_table_kernel(qsl_ptr, block_table_ptr, table_stride, out_ptr, 
     col = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     in_range = t < num_tokens
     req = request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS)
-    real = in_range & (req < num_reqs)
-    col_ok = (col < width)[None, :]
-    src = block_table_ptr + req.to(tl.int64)[:, None] * table_stride + col[None, :]
-    row = tl.load(src, mask=real[:, None] & col_ok, other=0)
+    row = table_rows_tl(block_table_ptr, table_stride, req, in_range & (req < num_reqs), col,
+                        width)
     dst = out_ptr + t.to(tl.int64)[:, None] * width + col[None, :]
-    tl.store(dst, row, mask=in_range[:, None] & col_ok)
+    tl.store(dst, row, mask=in_range[:, None] & (col < width)[None, :])
 
 
 @_expand_block_table_out.cuda
@@ -178,25 +209,49 @@ def _decode_row_requests_out(query_start_loc: Tensor, num_tokens: int) -> Tensor
     return query_start_loc.new_empty(num_tokens, dtype=torch.int32)
 
 
+def row_requests(query_start_loc: Tensor, num_tokens: int) -> Tensor:
+    """Torch: int64 ``[num_tokens]`` request of each token, ``num_reqs + k`` for the k-th
+    padding token."""
+    num_reqs = query_start_loc.numel() - 1
+    req = token_requests(query_start_loc, num_tokens).long()
+    t = torch.arange(num_tokens, device=query_start_loc.device)
+    padding = num_reqs + t - query_start_loc[num_reqs].long()
+    return torch.where(req < num_reqs, req, padding)
+
+
+@triton.jit
+def row_requests_tl(qsl_ptr, t, num_reqs, SEARCH_STEPS: tl.constexpr):
+    """Triton: same as ``row_requests`` for the tokens ``t``."""
+    req = request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS)
+    total = tl.load(qsl_ptr + num_reqs)
+    return tl.where(req < num_reqs, req, num_reqs + t - total)
+
+
+def valid_tokens(requests: Tensor, positions: Tensor, num_reqs: int,
+                 max_model_len: int) -> Tensor:
+    """Torch: bool, a real token (request < ``num_reqs``) at a position in
+    ``[0, max_model_len)``."""
+    return (requests < num_reqs) & (positions >= 0) & (positions < max_model_len)
+
+
+@triton.jit
+def valid_tokens_tl(requests, positions, num_reqs, max_model_len):
+    """Triton: same as ``valid_tokens``."""
+    return (requests < num_reqs) & (positions >= 0) & (positions < max_model_len)
+
+
 @_decode_row_requests_out.cpu
 def _decode_row_requests_cpu(query_start_loc: Tensor, num_tokens: int) -> Tensor:
     out = _decode_row_requests_out(query_start_loc, num_tokens)
-    num_reqs = query_start_loc.numel() - 1
-    req = token_requests(query_start_loc, num_tokens).long()
-    t = torch.arange(num_tokens, device=out.device)
-    padding = num_reqs + t - query_start_loc[num_reqs].long()
-    return out.copy_(torch.where(req < num_reqs, req, padding))
+    return out.copy_(row_requests(query_start_loc, num_tokens))
 
 
 @triton.jit
 def _decode_row_requests_kernel(qsl_ptr, out_ptr, num_tokens, num_reqs,
                                 SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_range = t < num_tokens
-    req = request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS)
-    total = tl.load(qsl_ptr + num_reqs)
-    rows = tl.where(req < num_reqs, req, num_reqs + t - total)
-    tl.store(out_ptr + t, rows, mask=in_range)
+    tl.store(out_ptr + t, row_requests_tl(qsl_ptr, t, num_reqs, SEARCH_STEPS),
+             mask=t < num_tokens)
 
 
 @_decode_row_requests_out.cuda
@@ -227,15 +282,42 @@ def _cap_context_lens_out(context_lens: Tensor, block_table: Tensor, num_blocks:
     return torch.empty_like(context_lens)
 
 
+def capped_lens(context_lens: Tensor, block_table: Tensor, num_blocks: int, block_size: int,
+                max_context_len: int) -> Tensor:
+    """Torch: int64 lengths cut as ``cap_context_lens`` cuts them."""
+    # A column of "outside" appended past the table: the first one found is the cut.
+    outside = F.pad((block_table < 0) | (block_table >= num_blocks), (0, 1), value=True)
+    cap = (outside.int().argmax(dim=1).long() * block_size).clamp(max=max_context_len)
+    return torch.minimum(context_lens.long().clamp(min=0), cap[:, None])
+
+
+@triton.jit
+def capped_lens_tl(lens, row_ptr, width, num_blocks, max_context_len, BS: tl.constexpr,
+                   BLOCK_W: tl.constexpr):
+    """Triton: same as ``capped_lens`` for the lengths ``lens`` of one row whose block-table
+    row starts at ``row_ptr`` (read only as far as the longest length needs)."""
+    lens = tl.minimum(tl.maximum(lens, 0), max_context_len)
+    span = tl.cdiv(tl.max(lens, axis=0), BS)
+    needed = tl.minimum(span, width)
+    first = needed
+    cols = tl.arange(0, BLOCK_W)
+    for c in range(0, needed, BLOCK_W):
+        col = c + cols
+        inside = col < needed
+        entry = tl.load(row_ptr + col, mask=inside, other=0)
+        outside = inside & ((entry < 0) | (entry >= num_blocks))
+        first = tl.minimum(first, tl.min(tl.where(outside, col, needed), axis=0))
+    cap = tl.where(first < span, first * BS, max_context_len)
+    return tl.minimum(lens, cap)
+
+
 @_cap_context_lens_out.cpu
 def _cap_context_lens_cpu(context_lens: Tensor, block_table: Tensor, num_blocks: int,
                           block_size: int, max_context_len: int) -> Tensor:
     out = _cap_context_lens_out(context_lens, block_table, num_blocks, block_size,
                                 max_context_len)
-    # A column of "outside" appended past the table: the first one found is the cut.
-    outside = F.pad((block_table < 0) | (block_table >= num_blocks), (0, 1), value=True)
-    cap = (outside.int().argmax(dim=1).long() * block_size).clamp(max=max_context_len)
-    return out.copy_(torch.minimum(context_lens.long().clamp(min=0), cap[:, None]))
+    return out.copy_(capped_lens(context_lens, block_table, num_blocks, block_size,
+                                 max_context_len))
 
 
 @triton.jit(do_not_specialize=["table_stride", "width", "num_blocks", "max_context_len"])
@@ -245,19 +327,9 @@ def _cap_context_lens_kernel(lens_ptr, table_ptr, table_stride, out_ptr, width, 
     row = tl.program_id(0)
     j = tl.arange(0, NP)
     lens = tl.load(lens_ptr + row * N + j, mask=j < N, other=0)
-    lens = tl.minimum(tl.maximum(lens, 0), max_context_len)
-    span = tl.cdiv(tl.max(lens, axis=0), BS)
-    needed = tl.minimum(span, width)
-    first = needed
-    cols = tl.arange(0, BLOCK_W)
-    for c in range(0, needed, BLOCK_W):
-        col = c + cols
-        inside = col < needed
-        entry = tl.load(table_ptr + row.to(tl.int64) * table_stride + col, mask=inside, other=0)
-        outside = inside & ((entry < 0) | (entry >= num_blocks))
-        first = tl.minimum(first, tl.min(tl.where(outside, col, needed), axis=0))
-    cap = tl.where(first < span, first * BS, max_context_len)
-    tl.store(out_ptr + row * N + j, tl.minimum(lens, cap), mask=j < N)
+    lens = capped_lens_tl(lens, table_ptr + row.to(tl.int64) * table_stride, width,
+                          num_blocks, max_context_len, BS, BLOCK_W)
+    tl.store(out_ptr + row * N + j, lens, mask=j < N)
 
 
 @_cap_context_lens_out.cuda

@@ -37,9 +37,14 @@ def _paged_mqa_schedule_cpu(context_lens: Tensor, block_size: int) -> Tensor:
 @_paged_mqa_schedule_out.cuda
 def _paged_mqa_schedule_cuda(context_lens: Tensor, block_size: int) -> Tensor:
     out = _paged_mqa_schedule_out(context_lens, block_size)
-    if context_lens.shape[0] and deepgemm.schedule_supported(context_lens.device, block_size):
-        return deepgemm.call("get_paged_mqa_logits_metadata",
-                             context_lens=context_lens.clamp(min=1), block_kv=block_size,
-                             num_sms=deepgemm.num_sms(context_lens.device))
+    return schedule_of_clamped(context_lens.clamp(min=1), block_size, out)
+
+
+def schedule_of_clamped(clamped_lens: Tensor, block_size: int, out: Tensor) -> Tensor:
+    """CUDA: DeepGEMM's schedule of lengths already clamped to >= 1 (``out`` zeroed where
+    DeepGEMM cannot build one)."""
+    if clamped_lens.shape[0] and deepgemm.schedule_supported(clamped_lens.device, block_size):
+        return deepgemm.call("get_paged_mqa_logits_metadata", context_lens=clamped_lens,
+                             block_kv=block_size, num_sms=deepgemm.num_sms(clamped_lens.device))
     return out.zero_()
 

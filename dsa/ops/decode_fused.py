@@ -1,0 +1,217 @@
+"""``dsa::decode_metadata``: a decode step's metadata tensors in one launch (design §4, §6).
+
+It equals, bit for bit, this composition of the small ops (``T = len(slot_mapping)``)::
+
+    token_requests = decode_row_requests(query_start_loc, T)
+    valid_tokens   = real token (token_requests < B) at a position in [0, max_model_len)
+    slot_mapping   = where(valid_tokens, slot_mapping, -1)
+    native: global_lens = native_decode_lens(seq_lens, next_n)        rows: B requests
+            block_table = block_table
+    flat:   global_lens = decode_token_lens(query_start_loc, seq_lens, T).view(T, 1)
+            block_table = expand_block_table(query_start_loc, block_table, T)  rows: T tokens
+    global_lens  //= compress_ratio
+    context_lens = cap_context_lens(dcp_local_lens(global_lens, ...), block_table, ...)
+    deepgemm: block_table[:, 0] clamped into [0, num_blocks) (DeepGEMM reads a row's first
+              block even at length 0); schedule = paged_mqa_schedule(context_lens, block_size)
+
+The Triton face is one kernel built from the small ops' ``@triton.jit`` helpers, plus
+DeepGEMM's schedule kernel when ``deepgemm``; the CPU face composes their torch functions.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dsa.ops._checks import (
+    POSITION_DTYPES,
+    check_block_table,
+    check_dcp,
+    check_int,
+    check_query_start_loc,
+    check_seq_lens,
+    check_size,
+    check_tensor,
+)
+from dsa.ops._launch import block_for
+from dsa.ops._registry import dsa_op
+from dsa.ops._tokens import request_of, search_steps
+from dsa.ops.dcp import local_share, local_share_tl
+from dsa.ops.decode_meta import (
+    capped_lens,
+    capped_lens_tl,
+    expanded_table,
+    native_lens,
+    native_lens_tl,
+    row_requests,
+    row_requests_tl,
+    table_rows_tl,
+    token_lens,
+    token_lens_tl,
+    valid_tokens,
+    valid_tokens_tl,
+)
+from dsa.ops.logits import deepgemm as deepgemm_backend
+from dsa.ops.logits.schedule import schedule_of_clamped
+
+
+@dsa_op("decode_metadata")
+def _decode_metadata_out(
+    query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, positions: Tensor,
+    slot_mapping: Tensor, native: bool, next_n: int, compress_ratio: int, dcp_world: int,
+    dcp_rank: int, dcp_interleave: int, num_blocks: int, block_size: int,
+    max_context_len: int, max_model_len: int, deepgemm: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(global_lens, context_lens, block_table, token_requests, valid_tokens,
+    slot_mapping, schedule)``: lengths int32 ``[B, next_n]`` (native) or ``[T, 1]`` (flat),
+    the block table per logits row, int32 ``[T]``, bool ``[T]``, int64 ``[T]``, and DeepGEMM's
+    schedule ``[num_sms + 1, 2]`` (``[0, 2]`` without ``deepgemm``)."""
+    op = "decode_metadata"
+    num_reqs = check_query_start_loc(op, query_start_loc)
+    check_seq_lens(op, seq_lens, query_start_loc, num_reqs)
+    _, width = check_block_table(op, block_table, query_start_loc, num_reqs)
+    check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, contiguous=True,
+                 like=query_start_loc)
+    num_tokens = slot_mapping.shape[0]
+    check_tensor(op, "positions", positions, dtype=POSITION_DTYPES, ndim=1, contiguous=True,
+                 like=query_start_loc)
+    check_size(op, "positions", positions, 0, num_tokens, "len(slot_mapping)")
+    check_int(op, "next_n", next_n, low=1)
+    check_int(op, "compress_ratio", compress_ratio, low=1)
+    check_dcp(op, dcp_world, dcp_rank, dcp_interleave)
+    check_int(op, "num_blocks", num_blocks, low=0)
+    check_int(op, "block_size", block_size, low=1)
+    check_int(op, "max_context_len", max_context_len, low=0)
+    check_int(op, "max_model_len", max_model_len, low=0)
+
+    rows, slots = (num_reqs, next_n) if native else (num_tokens, 1)
+    lens = query_start_loc.new_empty((rows, slots), dtype=torch.int32)
+    sms = deepgemm_backend.num_sms(query_start_loc.device) + 1 if deepgemm else 0
+    return (
+        lens,
+        torch.empty_like(lens),
+        block_table.new_empty((rows, width), dtype=torch.int32),
+        query_start_loc.new_empty(num_tokens, dtype=torch.int32),
+        query_start_loc.new_empty(num_tokens, dtype=torch.bool),
+        torch.empty_like(slot_mapping),
+        query_start_loc.new_empty((sms, 2), dtype=torch.int32),
+    )
+
+
+@_decode_metadata_out.cpu
+def _decode_metadata_cpu(*args: object) -> tuple[Tensor, ...]:
+    out = _decode_metadata_out(*args)
+    (query_start_loc, seq_lens, block_table, positions, slot_mapping, native, next_n,
+     compress_ratio, dcp_world, dcp_rank, dcp_interleave, num_blocks, block_size,
+     max_context_len, max_model_len, deepgemm) = args
+    global_out, lens_out, table_out, requests_out, valid_out, slots_out, schedule = out
+    num_reqs, num_tokens = seq_lens.numel(), slot_mapping.numel()
+    requests = row_requests(query_start_loc, num_tokens)
+    valid = valid_tokens(requests, positions, num_reqs, max_model_len)
+    if native:
+        global_lens, table = native_lens(seq_lens, next_n), block_table
+    else:
+        global_lens = token_lens(query_start_loc, seq_lens, num_tokens).view(num_tokens, 1)
+        table = expanded_table(query_start_loc, block_table, num_tokens)
+    global_lens = global_lens // compress_ratio
+    local = local_share(global_lens, dcp_world, dcp_rank, dcp_interleave)
+    lens_out.copy_(capped_lens(local, table, num_blocks, block_size, max_context_len))
+    table_out.copy_(table)
+    if deepgemm:
+        table_out[:, :1].clamp_(0, num_blocks - 1)
+    global_out.copy_(global_lens)
+    requests_out.copy_(requests)
+    valid_out.copy_(valid)
+    slots_out.copy_(torch.where(valid, slot_mapping, -1))
+    return global_out, lens_out, table_out, requests_out, valid_out, slots_out, schedule.zero_()
+
+
+@triton.jit(do_not_specialize=["table_stride", "num_reqs", "num_rows", "num_tokens", "width",
+                               "num_blocks", "max_context_len", "max_model_len"])
+def _decode_metadata_kernel(
+    qsl_ptr, seq_lens_ptr, table_ptr, table_stride, positions_ptr, slots_ptr,
+    global_ptr, lens_ptr, clamped_ptr, table_out_ptr, requests_ptr, valid_ptr, slots_out_ptr,
+    num_reqs, num_rows, num_tokens, width, world, rank, interleave, num_blocks,
+    max_context_len, max_model_len,
+    NATIVE: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, RATIO: tl.constexpr,
+    DEEPGEMM: tl.constexpr, BS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Program (p, c): columns block c of logits row p's block table; with c == 0 also row
+    p's lengths and the token block p."""
+    p = tl.program_id(0)
+    c = tl.program_id(1)
+    row = p + tl.arange(0, 1)
+    row_ok = row < num_rows
+    if NATIVE:
+        src = row
+        src_ok = row_ok
+    else:
+        src = request_of(qsl_ptr, row, num_reqs, SEARCH_STEPS)
+        src_ok = row_ok & (src < num_reqs)
+    col = c * BLOCK_C + tl.arange(0, BLOCK_C)
+    entries = table_rows_tl(table_ptr, table_stride, src, src_ok, col, width)
+    if DEEPGEMM:
+        first = tl.minimum(tl.maximum(entries, 0), num_blocks - 1)
+        entries = tl.where((col == 0)[None, :], first, entries)
+    dst = table_out_ptr + row.to(tl.int64)[:, None] * width + col[None, :]
+    tl.store(dst, entries, mask=row_ok[:, None] & (col < width)[None, :])
+
+    if c == 0:
+        j = tl.arange(0, NP)
+        slot_ok = (j < N) & row_ok
+        if NATIVE:
+            seq = tl.load(seq_lens_ptr + row, mask=row_ok, other=0)
+            global_lens = tl.where(slot_ok, native_lens_tl(seq, j, N), 0)
+        else:
+            global_lens, _, _ = token_lens_tl(qsl_ptr, seq_lens_ptr, p + j, slot_ok, num_reqs,
+                                              SEARCH_STEPS)
+        global_lens = global_lens // RATIO
+        local = local_share_tl(global_lens, world, rank, interleave)
+        row_ptr = table_ptr + tl.max(src, axis=0).to(tl.int64) * table_stride
+        lens = capped_lens_tl(local, row_ptr, width, num_blocks, max_context_len, BS, BLOCK_W)
+        out = p * N + j
+        tl.store(global_ptr + out, global_lens, mask=slot_ok)
+        tl.store(lens_ptr + out, lens, mask=slot_ok)
+        if DEEPGEMM:
+            tl.store(clamped_ptr + out, tl.maximum(lens, 1), mask=slot_ok)
+
+        t = p * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = t < num_tokens
+        requests = row_requests_tl(qsl_ptr, t, num_reqs, SEARCH_STEPS)
+        positions = tl.load(positions_ptr + t, mask=t_ok, other=-1)
+        valid = t_ok & valid_tokens_tl(requests, positions, num_reqs, max_model_len)
+        slots = tl.load(slots_ptr + t, mask=t_ok, other=-1)
+        tl.store(requests_ptr + t, requests, mask=t_ok)
+        tl.store(valid_ptr + t, valid, mask=t_ok)
+        tl.store(slots_out_ptr + t, tl.where(valid, slots, -1), mask=t_ok)
+
+
+@_decode_metadata_out.cuda
+def _decode_metadata_cuda(*args: object) -> tuple[Tensor, ...]:
+    out = _decode_metadata_out(*args)
+    (query_start_loc, seq_lens, block_table, positions, slot_mapping, native, _,
+     compress_ratio, dcp_world, dcp_rank, dcp_interleave, num_blocks, block_size,
+     max_context_len, max_model_len, deepgemm) = args
+    global_lens, lens, table_out, requests, valid, slots, schedule = out
+    num_reqs, num_tokens = seq_lens.numel(), slot_mapping.numel()
+    (rows, slots_per_row), width = lens.shape, block_table.shape[1]
+    clamped = torch.empty_like(lens) if deepgemm else lens
+    block_t = block_for(num_tokens)
+    grid = (max(rows, triton.cdiv(num_tokens, block_t)),
+            max(1, triton.cdiv(width, block_for(width))))
+    if grid[0]:
+        _decode_metadata_kernel[grid](
+            query_start_loc, seq_lens, block_table, block_table.stride(0), positions,
+            slot_mapping, global_lens, lens, clamped, table_out, requests, valid, slots,
+            num_reqs, rows, num_tokens, width, dcp_world, dcp_rank, dcp_interleave, num_blocks,
+            max_context_len, max_model_len, NATIVE=native, N=slots_per_row,
+            NP=triton.next_power_of_2(slots_per_row), RATIO=compress_ratio, DEEPGEMM=deepgemm,
+            BS=block_size, SEARCH_STEPS=search_steps(num_reqs), BLOCK_T=block_t,
+            BLOCK_W=block_for(width, cap=256), BLOCK_C=block_for(width),
+        )
+    if deepgemm:
+        schedule = schedule_of_clamped(clamped, block_size, schedule)
+    return global_lens, lens, table_out, requests, valid, slots, schedule
