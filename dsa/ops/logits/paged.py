@@ -47,19 +47,29 @@ class PagedLogitsConfig:
     num_stages: int = 3
 
 
+# (num_warps, num_stages) by the rows of the q operand (next_n * heads, padded to powers of
+# two). Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs the
+# launch decided before capture. sm_90 register counts (ptxas, H 64, D 128, tile 64): 72 at
+# 64 rows / 4 warps, 130 at 128 / 4, 128 at 256 / 8 (240 at 256 / 4: one CTA per SM).
+# Replace with the H200 sweep's winners (``benchmarks/bench_logits_sweep.py``).
+PAGED_WARPS_STAGES = {64: (4, 3), 128: (4, 3), 256: (8, 3)}
+
+
 def paged_logits_config(batch: int, next_n: int, num_heads: int,
                         max_context_len: int) -> PagedLogitsConfig:
-    """Default launch parameters for a shape, from the H200 sweep
-    (``benchmarks/bench_logits_sweep.py``): 64-token tiles, two pipeline stages, and about
-    512 programs or more, each taking at most 16 tiles of its request's context."""
+    """Default launch parameters for a shape: 64-token tiles (one cache block of 64 per
+    tile), about 512 programs or more, each taking at most 16 tiles of its request's context
+    (so one long request still spreads over every SM), and warps/stages from
+    ``PAGED_WARPS_STAGES``."""
     tile = 64
     tiles = batch * max(1, triton.cdiv(max_context_len, tile))
     rows = triton.next_power_of_2(next_n) * triton.next_power_of_2(num_heads)
+    warps, stages = PAGED_WARPS_STAGES[min(max(rows, 64), 256)]
     return PagedLogitsConfig(
         tile=tile,
         tiles_per_program=max(1, min(16, tiles // 512)),
-        num_warps=8 if rows >= 256 else 4,
-        num_stages=2,
+        num_warps=warps,
+        num_stages=stages,
     )
 
 
@@ -148,10 +158,11 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
     t_end = tl.minimum(t_begin + tiles_per_program, tl.cdiv(max_context_len, TILE))
     t_mid = tl.maximum(tl.minimum(tl.cdiv(longest, TILE), t_end), t_begin)
     out_rows = out_ptr + (b * N + jn).to(tl.int64) * out_stride
-    store_rows = (jn < N)[None, :]
+    store_rows = (jn < N)[:, None]
     cols = tl.arange(0, TILE)
 
-    # q and weights of all (row, head) pairs, padded to NP * HP rows, loaded once.
+    # q of all (row, head) pairs as one [NP * HP, D] operand (row r = j * HP + h, padding
+    # rows zero) and its head weights, loaded once: every K tile is read once for all rows.
     r = tl.arange(0, NP * HP)
     row_ok = (r // HP < N) & (r % HP < H)
     qrow = b * N + r // HP
@@ -163,10 +174,17 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
 
     for t in range(t_begin, t_mid):
         pos = t * TILE + cols
-        bt_col = pos // BS
-        ok = (pos < longest) & (bt_col < width)
-        blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + bt_col, mask=ok, other=-1)
-        ok = ok & (blk >= 0) & (blk < num_blocks)
+        if BS % TILE == 0:
+            # The tile lies in one cache block: one table entry, TILE contiguous K rows.
+            bt_col = t * TILE // BS
+            blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + bt_col, mask=bt_col < width,
+                          other=-1)
+            ok = (blk >= 0) & (blk < num_blocks) & (cols >= 0)
+        else:
+            bt_col = pos // BS
+            ok = (pos < longest) & (bt_col < width)
+            blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + bt_col, mask=ok, other=-1)
+            ok = ok & (blk >= 0) & (blk < num_blocks)
         # Invalid tokens read block 0 (always present) and are masked to -inf below.
         blk = tl.where(ok, blk, 0).to(tl.int64)
         off = pos % BS
@@ -176,20 +194,17 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
         else:
             k = tl.load(value_ptr + src[:, None] + d[None, :], mask=(d < D)[None, :], other=0.0)
         k_scale = tl.load(scale_ptr + blk * SCALE_STRIDE + off)
-        s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0)
-        for j in tl.static_range(N):
-            # Row j's heads are the columns [j * HP, j * HP + H) of s.
-            w_j = tl.where(r // HP == j, w, 0.0)
-            logits = tl.sum(s * w_j[None, :], axis=1) * k_scale
-            ctx_j = tl.sum(tl.where(jn == j, ctx, 0), axis=0)
-            tl.store(out_ptr + (b * N + j).to(tl.int64) * out_stride + pos,
-                     tl.where(ok & (pos < ctx_j), logits, float("-inf")),
-                     mask=pos < max_context_len)
+        # [NP * HP, TILE] scores; each row's heads are HP consecutive rows of s.
+        s = tl.maximum(tl.dot(q, tl.trans(k)), 0.0) * w[:, None]
+        logits = tl.sum(tl.reshape(s, (NP, HP, TILE)), axis=1) * k_scale[None, :]
+        tl.store(out_rows[:, None] + pos[None, :],
+                 tl.where(ok[None, :] & (pos[None, :] < ctx[:, None]), logits, float("-inf")),
+                 mask=store_rows & (pos < max_context_len)[None, :])
     for t in range(t_mid, t_end):
         pos = t * TILE + cols
-        tl.store(out_rows[None, :] + pos[:, None],
-                 tl.full((TILE, NP), float("-inf"), tl.float32),
-                 mask=store_rows & (pos < max_context_len)[:, None])
+        tl.store(out_rows[:, None] + pos[None, :],
+                 tl.full((NP, TILE), float("-inf"), tl.float32),
+                 mask=store_rows & (pos < max_context_len)[None, :])
 
 
 def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
