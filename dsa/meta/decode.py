@@ -127,7 +127,7 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
     local_lens = ops.cap_context_lens(local_lens, row_table, num_blocks, cfg.block_size, width)
 
     backend = paged_backend(cfg.logits_backend, qsl.device, cfg.num_heads, cfg.head_dim,
-                            cfg.block_size, next_n)
+                            cfg.block_size, next_n, local_lens.shape[0])
     schedule = None
     if backend == "deepgemm":
         # DeepGEMM reads a row's first block even at length 0 (it takes lengths >= 1): keep

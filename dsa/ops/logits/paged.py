@@ -309,10 +309,20 @@ def _paged_deepgemm_cuda(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, conte
 # --- choosing ------------------------------------------------------------------------------
 
 
+# Where "auto" runs dsa's kernel although DeepGEMM could take the call: next_n -> the largest
+# batch (q_fp8.shape[0]) at which the H200 runs of benchmarks/bench_logits_sweep.py measured
+# Triton faster. Empty: "auto" takes DeepGEMM wherever it runs (next_n <= 2 on SM90) and
+# dsa's kernel elsewhere (next_n 3 and 4, other GPUs, the CPU).
+AUTO_TRITON_MAX_BATCH: dict[int, int] = {}
+
+
 def paged_backend(backend: str, device: torch.device, num_heads: int, head_dim: int,
-                  block_size: int, next_n: int) -> str:
+                  block_size: int, next_n: int, batch: int | None = None) -> str:
     """"deepgemm" or "triton": the implementation ``backend`` ("auto", "triton" or
-    "deepgemm") runs for this shape on ``device``."""
+    "deepgemm") runs for this shape on ``device`` (``batch``: requests of the call, for
+    ``AUTO_TRITON_MAX_BATCH``; None: DeepGEMM wherever it runs)."""
+    if backend == "auto" and batch is not None and batch <= AUTO_TRITON_MAX_BATCH.get(next_n, -1):
+        return "triton"
     return choose_backend("paged_mqa_logits", backend, lambda: deepgemm.paged_unsupported_reason(
         device, num_heads, head_dim, block_size, next_n))
 
@@ -322,9 +332,9 @@ def paged_logits(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, context_lens:
                  schedule: Tensor | None = None) -> Tensor:
     """Paged logits on the implementation :func:`paged_backend` picks (``schedule``: a
     DeepGEMM schedule for these lengths, used when DeepGEMM runs)."""
-    _, next_n, num_heads, head_dim = q_fp8.shape
+    batch, next_n, num_heads, head_dim = q_fp8.shape
     args = (q_fp8, kv_cache, weights, context_lens, block_table, max_context_len)
-    if paged_backend(backend, q_fp8.device, num_heads, head_dim, kv_cache.shape[1],
-                     next_n) == "deepgemm":
+    if paged_backend(backend, q_fp8.device, num_heads, head_dim, kv_cache.shape[1], next_n,
+                     batch) == "deepgemm":
         return torch.ops.dsa.paged_mqa_logits_deepgemm(*args, schedule)
     return torch.ops.dsa.paged_mqa_logits(*args)
