@@ -52,7 +52,7 @@ class PagedLogitsConfig:
 # launch decided before capture. sm_90 register counts (ptxas, H 64, D 128, tile 64): 72 at
 # 64 rows / 4 warps, 130 at 128 / 4, 128 at 256 / 8 (240 at 256 / 4: one CTA per SM).
 # Replace with the H200 sweep's winners (``benchmarks/bench_logits_sweep.py``).
-PAGED_WARPS_STAGES = {64: (4, 3), 128: (4, 3), 256: (8, 3)}
+PAGED_WARPS_STAGES = {64: (4, 3), 128: (4, 4), 256: (8, 4)}
 
 
 def paged_logits_config(batch: int, next_n: int, num_heads: int,
