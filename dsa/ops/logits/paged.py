@@ -49,10 +49,11 @@ class PagedLogitsConfig:
 
 # (num_warps, num_stages) by the rows of the q operand (next_n * heads, padded to powers of
 # two). Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs the
-# launch decided before capture. sm_90 register counts (ptxas, H 64, D 128, tile 64): 72 at
-# 64 rows / 4 warps, 130 at 128 / 4, 128 at 256 / 8 (240 at 256 / 4: one CTA per SM).
-# Replace with the H200 sweep's winners (``benchmarks/bench_logits_sweep.py``).
-PAGED_WARPS_STAGES = {64: (4, 3), 128: (4, 4), 256: (8, 4)}
+# launch decided before capture. From sm_90 builds (ptxas, H 64, D 128, tile 64): registers
+# 96 at 64 rows / 4 warps, 128 at 128 / 4, 128 at 256 / 8 (240 at 256 / 4: one CTA per SM);
+# 4 stages keep 3 K tiles in flight per program. Replace with the H200 sweep's winners
+# (``benchmarks/bench_logits_sweep.py --sweep``).
+PAGED_WARPS_STAGES = {64: (4, 4), 128: (4, 4), 256: (8, 4)}
 
 
 def paged_logits_config(batch: int, next_n: int, num_heads: int,
@@ -136,6 +137,25 @@ def _paged_logits_torch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, contex
     return out
 
 
+@triton.jit
+def _tile_blocks(bt_row, t, longest, width, num_blocks, cols, BS: tl.constexpr,
+                 TILE: tl.constexpr):
+    """Cache block of tile ``t``'s tokens (0, always present, where invalid) and whether
+    each token is valid: one table entry when the tile lies in one block, else one each."""
+    if BS % TILE == 0:
+        bt_col = t * TILE // BS
+        blk = tl.load(bt_row + bt_col, mask=bt_col < width, other=-1)
+        ok = (blk >= 0) & (blk < num_blocks)
+        return tl.where(ok, blk, 0).to(tl.int64), ok & (cols >= 0)
+    else:
+        pos = t * TILE + cols
+        bt_col = pos // BS
+        ok = (pos < longest) & (bt_col < width)
+        blk = tl.load(bt_row + bt_col, mask=ok, other=-1)
+        ok = ok & (blk >= 0) & (blk < num_blocks)
+        return tl.where(ok, blk, 0).to(tl.int64), ok
+
+
 # Runtime ints that vary with the batch stay unspecialised: one compile per config and shape
 # family, not one per context length.
 @triton.jit(do_not_specialize=["bt_stride", "width", "num_blocks", "max_context_len",
@@ -172,21 +192,15 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
     w = tl.load(w_ptr + qrow.to(tl.int64) * w_stride0 + (r % HP) * w_stride1, mask=row_ok,
                 other=0.0)
 
+    # Block ids are read one tile ahead and carried: K addresses then do not wait on a load
+    # issued in their own iteration, and the pipeliner keeps num_stages - 1 K tiles in flight.
+    bt_row = bt_ptr + b.to(tl.int64) * bt_stride
+    blk_next, ok_next = _tile_blocks(bt_row, t_begin, longest, width, num_blocks, cols, BS, TILE)
     for t in range(t_begin, t_mid):
         pos = t * TILE + cols
-        if BS % TILE == 0:
-            # The tile lies in one cache block: one table entry, TILE contiguous K rows.
-            bt_col = t * TILE // BS
-            blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + bt_col, mask=bt_col < width,
-                          other=-1)
-            ok = (blk >= 0) & (blk < num_blocks) & (cols >= 0)
-        else:
-            bt_col = pos // BS
-            ok = (pos < longest) & (bt_col < width)
-            blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + bt_col, mask=ok, other=-1)
-            ok = ok & (blk >= 0) & (blk < num_blocks)
-        # Invalid tokens read block 0 (always present) and are masked to -inf below.
-        blk = tl.where(ok, blk, 0).to(tl.int64)
+        blk, ok = blk_next, ok_next
+        blk_next, ok_next = _tile_blocks(bt_row, t + 1, longest, width, num_blocks, cols, BS,
+                                         TILE)
         off = pos % BS
         src = blk * VALUE_STRIDE + off * D
         if BLOCK_D == D:
