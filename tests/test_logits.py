@@ -227,10 +227,12 @@ def test_paged_chooser_auto_rule(monkeypatch):
     assert paged.paged_backend("deepgemm", cuda, 64, 128, 64, 1, 1) == "deepgemm"
 
 
-@pytest.mark.parametrize(("next_n", "warps"), [(1, 4), (2, 4), (3, 8), (4, 8)])
-def test_paged_default_config_by_rows(next_n, warps):
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4])
+def test_paged_default_config_by_rows(next_n):
     config = paged.paged_logits_config(64, next_n, 64, 65536)
-    assert (config.tile, config.tiles_per_program, config.num_warps) == (64, 16, warps)
+    rows = 64 * (4 if next_n == 3 else next_n)
+    assert (config.num_warps, config.num_stages) == paged.PAGED_WARPS_STAGES[rows]
+    assert (config.tile, config.tiles_per_program) == (64, 16)
     assert paged.paged_logits_config(1, next_n, 64, 4096).tiles_per_program == 1
 
 

@@ -49,11 +49,12 @@ class PagedLogitsConfig:
 
 # (num_warps, num_stages) by the rows of the q operand (next_n * heads, padded to powers of
 # two). Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs the
-# launch decided before capture. From sm_90 builds (ptxas, H 64, D 128, tile 64): registers
-# 96 at 64 rows / 4 warps, 128 at 128 / 4, 128 at 256 / 8 (240 at 256 / 4: one CTA per SM);
-# 4 stages keep 3 K tiles in flight per program. Replace with the H200 sweep's winners
+# launch decided before capture. From sm_90 builds with Triton 3.6 (ptxas; H 64, D 128, tile
+# 64, 4 warps, 4 stages): 96 / 128 / 128 registers and 223 / 315 / 482 instructions per warp
+# per tile at 64 / 128 / 256 rows, no spills; 8 warps at 256 rows take 303 per warp (more in
+# all). 4 stages keep 3 K tiles in flight per program. Replace with the H200 sweep's winners
 # (``benchmarks/bench_logits_sweep.py --sweep``).
-PAGED_WARPS_STAGES = {64: (4, 4), 128: (4, 4), 256: (8, 4)}
+PAGED_WARPS_STAGES = {64: (4, 4), 128: (4, 4), 256: (4, 4)}
 
 
 def paged_logits_config(batch: int, next_n: int, num_heads: int,
@@ -178,11 +179,12 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
     t_end = tl.minimum(t_begin + tiles_per_program, tl.cdiv(max_context_len, TILE))
     t_mid = tl.maximum(tl.minimum(tl.cdiv(longest, TILE), t_end), t_begin)
     out_rows = out_ptr + (b * N + jn).to(tl.int64) * out_stride
-    store_rows = (jn < N)[:, None]
+    store_rows = (jn < N)[None, :]
     cols = tl.arange(0, TILE)
 
     # q of all (row, head) pairs as one [NP * HP, D] operand (row r = j * HP + h, padding
-    # rows zero) and its head weights, loaded once: every K tile is read once for all rows.
+    # rows zero; staged in shared memory once) and its head weights: every K tile is read
+    # once for all of the request's rows.
     r = tl.arange(0, NP * HP)
     row_ok = (r // HP < N) & (r % HP < H)
     qrow = b * N + r // HP
@@ -208,17 +210,18 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
         else:
             k = tl.load(value_ptr + src[:, None] + d[None, :], mask=(d < D)[None, :], other=0.0)
         k_scale = tl.load(scale_ptr + blk * SCALE_STRIDE + off)
-        # [NP * HP, TILE] scores; each row's heads are HP consecutive rows of s.
-        s = tl.maximum(tl.dot(q, tl.trans(k)), 0.0) * w[:, None]
-        logits = tl.sum(tl.reshape(s, (NP, HP, TILE)), axis=1) * k_scale[None, :]
-        tl.store(out_rows[:, None] + pos[None, :],
-                 tl.where(ok[None, :] & (pos[None, :] < ctx[:, None]), logits, float("-inf")),
-                 mask=store_rows & (pos < max_context_len)[None, :])
+        # [TILE, NP * HP] scores, keys on the MMA's M side: each key's head sums stay within
+        # a thread and its quad. Row j's heads are the HP consecutive columns j * HP + h.
+        s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
+        logits = tl.sum(tl.reshape(s, (TILE, NP, HP)), axis=2) * k_scale[:, None]
+        tl.store(out_rows[None, :] + pos[:, None],
+                 tl.where(ok[:, None] & (pos[:, None] < ctx[None, :]), logits, float("-inf")),
+                 mask=store_rows & (pos < max_context_len)[:, None])
     for t in range(t_mid, t_end):
         pos = t * TILE + cols
-        tl.store(out_rows[:, None] + pos[None, :],
-                 tl.full((NP, TILE), float("-inf"), tl.float32),
-                 mask=store_rows & (pos < max_context_len)[None, :])
+        tl.store(out_rows[None, :] + pos[:, None],
+                 tl.full((TILE, NP), float("-inf"), tl.float32),
+                 mask=store_rows & (pos < max_context_len)[:, None])
 
 
 def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
