@@ -50,9 +50,10 @@ class PagedLogitsConfig:
 # (num_warps, num_stages) by the rows of the q operand (next_n * heads, padded to powers of
 # two). Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs the
 # launch decided before capture. From sm_90 builds with Triton 3.6 (ptxas; H 64, D 128, tile
-# 64, 4 warps, 4 stages): 96 / 128 / 128 registers and 223 / 315 / 482 instructions per warp
-# per tile at 64 / 128 / 256 rows, no spills; 8 warps at 256 rows take 303 per warp (more in
-# all). 4 stages keep 3 K tiles in flight per program. Replace with the H200 sweep's winners
+# 64, 4 stages) at 64 / 128 / 256 rows and 4 warps: 80 / 148 / 255 registers (5 / 3 / 2 CTAs
+# per SM), 223 / 315 / 482 instructions per warp per tile, no spills; 8 warps at 256 rows:
+# 140 registers (one CTA per SM) and more instructions in all. 4 stages keep 3 K tiles in
+# flight per program. Replace with the H200 sweep's winners
 # (``benchmarks/bench_logits_sweep.py --sweep``).
 PAGED_WARPS_STAGES = {64: (4, 4), 128: (4, 4), 256: (4, 4)}
 
