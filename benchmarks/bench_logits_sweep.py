@@ -28,7 +28,6 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
 
 import dsa
 from dsa.ops.logits import deepgemm, paged_backend
@@ -115,17 +114,9 @@ def check_configs(configs: list[PagedLogitsConfig | None]) -> list[PagedLogitsCo
 
 
 def cold_us(fn) -> float:
-    """Median device time of one ``fn`` in µs with L2 written over before each call: a
-    one-call CUDA graph (no launch overhead) replayed by do_bench, which clears its cache."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up: compiles, allocates
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return 1e3 * do_bench(graph.replay, warmup=10, rep=50, return_mode="median")
+    """Median device time of one ``fn`` in µs with L2 written over before it: a one-call CUDA
+    graph (no launch overhead), timed by do_bench, which clears its cache before each replay."""
+    return graph_us(fn, replays=1)
 
 
 def fp8_flops_per_s(n: int = 8192) -> float:
