@@ -1,13 +1,21 @@
-"""Sweep the Triton paged-logits launch parameters on a CUDA GPU (H = 64, D = 128, bs = 64).
+"""Paged MQA logits on a CUDA GPU (H = 64, D = 128, block 64): next_n 1-4 against the floors,
+or a sweep of the Triton kernel's launch parameters.
 
-For each decode shape (batch, next_n, context) every request is at the full context. Each
-launch is captured ten times in one CUDA graph and the replay timed with
-``triton.testing.do_bench`` (median), so Python launch overhead does not count. Printed per
-shape: the fastest configs, the current default (``paged_logits_config``), DeepGEMM (kernel
-only, schedule precomputed) when it imports, and the HBM floor (K-cache bytes / 4.3 TB/s).
-Every config is first checked against dsa's CPU face (plain torch) on one shape.
+    python benchmarks/bench_logits_sweep.py [--out BENCHMARKS.md]   # the next_n 1-4 table
+    python benchmarks/bench_logits_sweep.py --sweep [--top 5]       # launch-parameter sweep
 
-    python benchmarks/bench_logits_sweep.py [--top 5]
+Table: for every (B, L) and next_n 1-4, each request at the full context (row j of a request
+sees L - next_n + 1 + j keys), dsa's Triton kernel at its default launch and DeepGEMM where
+it runs (next_n <= 2 on SM90, schedule precomputed): µs, achieved GB/s (K-cache bytes / time)
+and % of the HBM floor (K-cache bytes / the copy bandwidth measured in the same run). The
+fp8 compute floor (2·B·L·next_n·H·D flops at the fp8 GEMM rate measured in the run) bounds
+next_n 3-4 too. Each time is the median of a one-call CUDA graph replayed by
+``triton.testing.do_bench``, which writes 256 MB before every replay: L2 (50 MB) is cold
+where the working set fits in it and makes no difference above. Every launch is first
+checked against dsa's CPU face (plain torch).
+
+Sweep: each launch captured ten times in one CUDA graph, the replay timed (median); per
+shape the fastest configs, the default (``paged_logits_config``) and DeepGEMM.
 """
 
 from __future__ import annotations
@@ -15,21 +23,30 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import sys
 import time
 
 import torch
 import triton
-from triton.testing import do_bench
 
-import dsa  # noqa: F401  (registers torch.ops.dsa)
-from dsa.ops.logits import deepgemm
+import dsa
+from dsa.ops.logits import deepgemm, paged_backend
 from dsa.ops.logits.paged import PagedLogitsConfig, paged_logits_config, paged_logits_triton
 
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _report import copy_bandwidth_bytes_per_s, graph_us, markdown_table, report
+
 HEADS, HEAD_DIM, BLOCK_SIZE = 64, 128, 64
-HBM_BYTES_PER_S = 4.3e12
-SHAPES = [(1, 1, 4096), (1, 1, 65536), (8, 1, 32768), (32, 1, 32768), (64, 1, 65536),
-          (128, 1, 32768), (64, 2, 32768), (256, 1, 8192)]
-CHECK_SHAPE = (8, 2, 8229)  # a ragged tail and next_n = 2
+L2_BYTES = 50 * 2**20
+# (B, L): B·L >= 1M (the issue's goals), then small shapes where L2 is cold.
+TABLE_SHAPES = [(64, 16384), (64, 65536), (128, 32768), (8, 131072), (1, 1048576),
+                (1, 4096), (1, 65536), (8, 32768)]
+GOAL_KEYS = 1 << 20
+NEXT_N = (1, 2, 3, 4)
+SWEEP_SHAPES = [(1, 1, 4096), (1, 1, 65536), (8, 1, 32768), (64, 1, 65536), (128, 1, 32768),
+                (64, 2, 32768), (64, 3, 32768), (64, 4, 16384), (8, 4, 131072),
+                (1, 4, 1048576), (256, 1, 8192)]
+CHECK_SHAPES = [(8, 2, 8229), (3, 4, 3001)]  # ragged tails
 # (tile, num_warps) x num_stages x tiles_per_program
 TILE_WARPS = [(64, 4), (64, 8), (128, 8)]
 STAGES = [2, 3, 4]
@@ -57,6 +74,147 @@ def make_inputs(batch: int, next_n: int, context: int, seed: int = 0):
     return (q.to(torch.float8_e4m3fn), cache, weights, lens, table), context
 
 
+def kcache_bytes(batch: int, context: int) -> int:
+    """Bytes of the K-cache blocks a call reads (values and scales)."""
+    return batch * -(-context // BLOCK_SIZE) * BLOCK_SIZE * (HEAD_DIM + 4)
+
+
+def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+def check_configs(configs: list[PagedLogitsConfig | None]) -> list[PagedLogitsConfig | None]:
+    """Configs (None: the default) that run and match the CPU face (plain torch, on CPU
+    copies) on every CHECK_SHAPES; a mismatch raises, a config the GPU cannot launch (e.g.
+    out of shared memory) is dropped with a note."""
+    runnable = list(configs)
+    for shape in CHECK_SHAPES:
+        inputs, context = make_inputs(*shape, seed=1)
+        want = torch.ops.dsa.paged_mqa_logits(*(t.cpu() for t in inputs), context).cuda()
+        valid = torch.isfinite(want)
+        for config in list(runnable):
+            try:
+                got = paged_logits_triton(*inputs, context, config=config)
+            except triton.runtime.errors.OutOfResources as error:
+                print(f"skipping {config}: {error}")
+                runnable.remove(config)
+                continue
+            if not torch.equal(torch.isneginf(got), ~valid):
+                raise AssertionError(f"{config} on {shape}: -inf mask differs from the CPU face")
+            error = relative_error(got[valid], want[valid])
+            if not error < 1e-5:
+                raise AssertionError(f"{config} on {shape}: relative error {error:.2e} against "
+                                     "the CPU face")
+    print(f"checked {len(runnable)} configs against the CPU face on {CHECK_SHAPES}")
+    return runnable
+
+
+# --- the next_n 1-4 table --------------------------------------------------------------------
+
+
+def cold_us(fn) -> float:
+    """Median device time of one ``fn`` in µs with L2 written over before it: a one-call CUDA
+    graph (no launch overhead), timed by do_bench, which clears its cache before each replay."""
+    return graph_us(fn, replays=1)
+
+
+def fp8_flops_per_s(n: int = 8192) -> float:
+    """Measured dense fp8 GEMM rate (``torch._scaled_mm``, n x n x n); nan where it fails."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major
+    one = torch.ones((), device="cuda")
+    try:
+        us = graph_us(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one,
+                                               out_dtype=torch.bfloat16))
+    except (RuntimeError, TypeError, NotImplementedError) as error:
+        print(f"no fp8 GEMM rate: {error}")
+        return float("nan")
+    return 2 * n**3 / (us * 1e-6)
+
+
+def table_row(batch: int, context: int, next_n: int, bandwidth: float, flops: float,
+              device: torch.device) -> tuple[list, dict]:
+    inputs, _ = make_inputs(batch, next_n, context)
+    k_bytes = kcache_bytes(batch, context)
+    working_set = k_bytes + batch * next_n * context * 4
+    floor_us = k_bytes / bandwidth * 1e6
+    compute_us = 2 * batch * context * next_n * HEADS * HEAD_DIM / flops * 1e6
+    triton_us = cold_us(functools.partial(paged_logits_triton, *inputs, context))
+    dg_us = float("nan")
+    if deepgemm.deepgemm_paged_supported(device, HEADS, HEAD_DIM, BLOCK_SIZE, next_n):
+        schedule = torch.ops.dsa.paged_mqa_schedule(inputs[3], BLOCK_SIZE)
+        dg_us = cold_us(functools.partial(torch.ops.dsa.paged_mqa_logits_deepgemm, *inputs,
+                                          context, schedule))
+    auto = paged_backend("auto", device, HEADS, HEAD_DIM, BLOCK_SIZE, next_n, batch)
+    config = paged_logits_config(batch, next_n, HEADS, context)
+    row = [batch, context, next_n, f"{working_set / 2**20:.0f}",
+           "cold" if working_set <= L2_BYTES else "over L2", f"{floor_us:.1f}",
+           f"{compute_us:.1f}", f"{triton_us:.1f}", f"{k_bytes / triton_us / 1e3:.0f}",
+           f"{floor_us / triton_us:.0%}", f"{dg_us:.1f}", f"{k_bytes / dg_us / 1e3:.0f}",
+           f"{floor_us / dg_us:.0%}", f"{dg_us / triton_us:.2f}", auto,
+           f"{config.tiles_per_program}/{config.num_warps}/{config.num_stages}"]
+    stats = {"next_n": next_n, "goal": batch * context >= GOAL_KEYS,
+             "of_floor": floor_us / triton_us, "vs_deepgemm": dg_us / triton_us}
+    del inputs
+    torch.cuda.empty_cache()
+    return row, stats
+
+
+def goal_lines(stats: list[dict]) -> list[str]:
+    """The issue's goals at B·L >= 1M: Triton's worst % of the floor per next_n, and its
+    worst throughput against DeepGEMM's at next_n 1."""
+    lines = []
+    for next_n in NEXT_N:
+        rows = [s for s in stats if s["goal"] and s["next_n"] == next_n]
+        if rows:
+            worst = min(s["of_floor"] for s in rows)
+            lines.append(f"next_n {next_n}: Triton at least {worst:.0%} of the HBM floor "
+                         f"(goal >= 75% for next_n 2-4)")
+    ratios = [s["vs_deepgemm"] for s in stats
+              if s["goal"] and s["next_n"] == 1 and s["vs_deepgemm"] == s["vs_deepgemm"]]
+    if ratios:
+        lines.append(f"next_n 1: Triton at least {min(ratios):.2f}x DeepGEMM's throughput "
+                     "(goal >= 0.9x)")
+    return lines
+
+
+def run_table(out: str | None) -> None:
+    device = torch.device("cuda")
+    check_configs([None])
+    bandwidth = copy_bandwidth_bytes_per_s()
+    flops = fp8_flops_per_s()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, fp8 GEMM {flops / 1e12:.0f} TFLOP/s")
+    header = ["B", "L", "next_n", "working set MB", "L2", "HBM floor µs", "fp8 compute floor µs",
+              "Triton µs", "Triton GB/s", "of HBM floor", "DeepGEMM µs", "DeepGEMM GB/s",
+              "of HBM floor", "Triton / DeepGEMM throughput", "auto picks",
+              "Triton tiles/warps/stages"]
+    rows, stats = [], []
+    for (batch, context), next_n in itertools.product(TABLE_SHAPES, NEXT_N):
+        row, stat = table_row(batch, context, next_n, bandwidth, flops, device)
+        rows.append(row)
+        stats.append(stat)
+        print(" | ".join(str(c) for c in row), flush=True)
+    goals = goal_lines(stats)
+    text = report(
+        "Paged logits for next_n 1-4 (MTP): Triton vs DeepGEMM against the floors",
+        "python benchmarks/bench_logits_sweep.py",
+        markdown_table(header, rows) + "\n\n" + "\n".join(f"- {g}" for g in goals),
+        notes=(f"H={HEADS}, D={HEAD_DIM}, block {BLOCK_SIZE}, full contexts (row j sees "
+               f"L - next_n + 1 + j keys); copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + "
+               f"write), fp8 GEMM {flops / 1e12:.0f} TFLOP/s, both measured in this run; "
+               "medians of a one-call CUDA graph replayed by do_bench with 256 MB written "
+               f"before each replay (L2 cold); dsa v{dsa.__version__}"),
+    )
+    print(text)
+    if out:
+        with open(out, "a") as f:
+            f.write("\n" + text)
+
+
+# --- the launch-parameter sweep ----------------------------------------------------------------
+
+
 def candidates(batch: int, context: int) -> list[PagedLogitsConfig]:
     configs = []
     for (tile, warps), stages in itertools.product(TILE_WARPS, STAGES):
@@ -71,91 +229,62 @@ def candidates(batch: int, context: int) -> list[PagedLogitsConfig]:
     return configs
 
 
-def time_us(fn) -> float:
-    """Median GPU time of one call, from a CUDA graph of REPLAYS calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPLAYS):
-            fn()
-    ms = do_bench(graph.replay, warmup=5, rep=25, return_mode="median")
-    return ms * 1000 / REPLAYS
-
-
-def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double(), y.double()
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
-
-
-def check_configs(configs: list[PagedLogitsConfig]) -> list[PagedLogitsConfig]:
-    """Configs that run and match the CPU face (plain torch, on CPU copies); a mismatch
-    raises, a config the GPU cannot launch (e.g. out of shared memory) is dropped with a
-    note."""
-    inputs, context = make_inputs(*CHECK_SHAPE, seed=1)
-    want = torch.ops.dsa.paged_mqa_logits(*(t.cpu() for t in inputs), context).cuda()
-    valid = torch.isfinite(want)
-    runnable = []
-    for config in configs:
-        try:
-            got = paged_logits_triton(*inputs, context, config=config)
-        except triton.runtime.errors.OutOfResources as error:
-            print(f"skipping {config}: {error}")
-            continue
-        if not torch.equal(torch.isneginf(got), ~valid):
-            raise AssertionError(f"{config}: -inf mask differs from the CPU face")
-        error = relative_error(got[valid], want[valid])
-        if not error < 1e-5:
-            raise AssertionError(f"{config}: relative error {error:.2e} against the CPU face")
-        runnable.append(config)
-    print(f"checked {len(runnable)} configs against the CPU face on {CHECK_SHAPE}")
-    return runnable
-
-
-def bench_shape(shape, configs, device, top):
+def bench_shape(shape, configs, device, top, bandwidth):
     batch, next_n, context = shape
     inputs, _ = make_inputs(*shape)
-    floor_us = batch * -(-context // BLOCK_SIZE) * BLOCK_SIZE * (HEAD_DIM + 4) / HBM_BYTES_PER_S
-    floor_us *= 1e6
+    floor_us = kcache_bytes(batch, context) / bandwidth * 1e6
     run = functools.partial(paged_logits_triton, *inputs, context)
-    times = sorted(((time_us(functools.partial(run, config=c)), c) for c in configs),
-                   key=lambda tc: tc[0])
+    times = sorted(((graph_us(functools.partial(run, config=c), replays=REPLAYS), c)
+                    for c in configs), key=lambda tc: tc[0])
     default = paged_logits_config(batch, next_n, HEADS, context)
-    default_us = time_us(functools.partial(run, config=default))
+    default_us = graph_us(functools.partial(run, config=default), replays=REPLAYS)
     dg_us = float("nan")
     if deepgemm.deepgemm_paged_supported(device, HEADS, HEAD_DIM, BLOCK_SIZE, next_n):
         schedule = torch.ops.dsa.paged_mqa_schedule(inputs[3], BLOCK_SIZE)
-        dg_us = time_us(functools.partial(torch.ops.dsa.paged_mqa_logits_deepgemm, *inputs,
-                                          context, schedule))
+        dg_us = graph_us(functools.partial(torch.ops.dsa.paged_mqa_logits_deepgemm, *inputs,
+                                           context, schedule), replays=REPLAYS)
     print(f"\nB={batch} N={next_n} L={context}: floor {floor_us:.1f} us, "
           f"DeepGEMM {dg_us:.1f} us, default {default_us:.1f} us {default}")
     for us, config in times[:top]:
         print(f"  {us:9.1f} us  {floor_us / us:5.0%} of floor  {config}")
+    del inputs
+    torch.cuda.empty_cache()
     return shape, times[0], default_us, dg_us, floor_us
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--top", type=int, default=5, help="fastest configs shown per shape")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_logits_sweep needs a CUDA GPU")
+def run_sweep(top: int) -> None:
     device = torch.device("cuda")
     start = time.time()
-    per_shape = {shape: candidates(shape[0], shape[2]) for shape in SHAPES}
+    bandwidth = copy_bandwidth_bytes_per_s()
+    per_shape = {shape: candidates(shape[0], shape[2]) for shape in SWEEP_SHAPES}
     runnable = set(check_configs(sorted(
         {c for cs in per_shape.values() for c in cs},
         key=lambda c: (c.tile, c.num_warps, c.num_stages, c.tiles_per_program))))
     per_shape = {shape: [c for c in cs if c in runnable] for shape, cs in per_shape.items()}
     dg = deepgemm.deepgemm_paged_supported(device, HEADS, HEAD_DIM, BLOCK_SIZE, 1)
-    print(f"device {torch.cuda.get_device_name()}, DeepGEMM {'yes' if dg else 'no'}")
-    summary = [bench_shape(shape, configs, device, args.top)
+    print(f"device {torch.cuda.get_device_name()}, DeepGEMM {'yes' if dg else 'no'}, "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    summary = [bench_shape(shape, configs, device, top, bandwidth)
                for shape, configs in per_shape.items()]
-    print("\nshape              best us  default us  DeepGEMM us  floor us  best config")
+    print("\nshape                best us  default us  DeepGEMM us  floor us  best config")
     for (batch, next_n, context), (best_us, best), default_us, dg_us, floor_us in summary:
-        print(f"({batch:3d},{next_n},{context:6d})  {best_us:8.1f}  {default_us:10.1f}  "
+        print(f"({batch:3d},{next_n},{context:7d})  {best_us:8.1f}  {default_us:10.1f}  "
               f"{dg_us:11.1f}  {floor_us:8.1f}  {best}")
     print(f"\nsweep took {time.time() - start:.0f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="sweep the launch parameters")
+    parser.add_argument("--top", type=int, default=5, help="fastest configs shown per shape")
+    parser.add_argument("--out", help="append the table's report to this markdown file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_logits_sweep needs a CUDA GPU")
+    if args.sweep:
+        run_sweep(args.top)
+    else:
+        run_table(args.out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ import torch
 KV_CACHE_DTYPES = ("fp8", "mxfp4")
 LOGITS_BACKENDS = ("auto", "triton", "deepgemm")
 DECODE_LAYOUTS = ("auto", "native", "flat")
-NATIVE_NEXT_N = (1, 2)
+# next_n values "auto" lays out natively: dsa's kernel (Triton, plain torch) takes any next_n
+# and is sized for 1..4 (at most 256 q rows of 64 heads); DeepGEMM's SM90 kernel takes 1..2.
+NATIVE_NEXT_N = (1, 2, 3, 4)
+DEEPGEMM_NEXT_N = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -38,8 +41,10 @@ class IndexerConfig:
         kv_cache_dtype: "fp8" (SM90 layout) or "mxfp4" (Blackwell sm_10x only).
         ue8m0_scales: round quantisation scales up to powers of two.
         logits_backend: "auto" (DeepGEMM where it can run, else Triton), "triton", "deepgemm".
-        decode_layout: "native" ([B, next_n] rows, DeepGEMM's layout for next_n <= 2), "flat"
-            (one row per query token, any next_n), or "auto" (native iff next_n <= 2).
+        decode_layout: "native" ([B, next_n] rows, each K block read once for a request's
+            next_n rows; next_n <= 2 on DeepGEMM), "flat" (one row per query token, any
+            next_n), or "auto" (native for next_n <= 4, <= 2 with ``logits_backend``
+            "deepgemm").
         num_blocks: blocks of the indexer K cache. When set, decode lengths stop at the first
             block-table entry outside the cache, so no key there is read or selected, and
             the value checks reject such entries.
@@ -122,11 +127,12 @@ class IndexerConfig:
         _choice("logits_backend", self.logits_backend, LOGITS_BACKENDS)
         _choice("decode_layout", self.decode_layout, DECODE_LAYOUTS)
         if self.decode_layout == "native" and self.logits_backend == "deepgemm" and (
-            self.next_n not in NATIVE_NEXT_N
+            self.next_n not in DEEPGEMM_NEXT_N
         ):
             raise ValueError(
                 f"IndexerConfig: DeepGEMM's native decode layout takes next_n in "
-                f"{NATIVE_NEXT_N}, got next_n={self.next_n}; use decode_layout='flat' or 'auto'"
+                f"{DEEPGEMM_NEXT_N}, got next_n={self.next_n}; use decode_layout='flat' or "
+                "'auto'"
             )
 
     @property
@@ -139,7 +145,8 @@ class IndexerConfig:
         """The decode layout in use: "native" or "flat"."""
         if self.decode_layout != "auto":
             return self.decode_layout
-        return "native" if self.next_n in NATIVE_NEXT_N else "flat"
+        native = DEEPGEMM_NEXT_N if self.logits_backend == "deepgemm" else NATIVE_NEXT_N
+        return "native" if self.next_n in native else "flat"
 
     @property
     def max_blocks_per_req(self) -> int:

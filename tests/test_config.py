@@ -17,10 +17,21 @@ def test_defaults_are_deepseek_v32():
     assert cfg.table_factor == 1
 
 
-@pytest.mark.parametrize(("next_n", "layout"), [(1, "native"), (2, "native"), (3, "flat"),
-                                                (4, "flat")])
+@pytest.mark.parametrize(("next_n", "layout"), [(1, "native"), (2, "native"), (3, "native"),
+                                                (4, "native"), (5, "flat")])
 def test_auto_layout_follows_next_n(next_n, layout):
     assert IndexerConfig(**LIMITS, next_n=next_n).layout == layout
+    assert IndexerConfig(**LIMITS, next_n=next_n, logits_backend="triton").layout == layout
+
+
+@pytest.mark.parametrize(("next_n", "layout"), [(2, "native"), (3, "flat"), (4, "flat")])
+def test_auto_layout_on_deepgemm_takes_its_next_n(next_n, layout):
+    assert IndexerConfig(**LIMITS, next_n=next_n, logits_backend="deepgemm").layout == layout
+
+
+def test_native_layout_takes_any_next_n_off_deepgemm():
+    cfg = IndexerConfig(**LIMITS, next_n=4, decode_layout="native", logits_backend="triton")
+    assert cfg.layout == "native"
 
 
 def test_derived_sizes_with_compression_and_kernel_blocks():

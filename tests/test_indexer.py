@@ -97,7 +97,7 @@ def check_selection(indices: torch.Tensor, logits: list[np.ndarray], k: int) -> 
             assert ref_logits[chosen].min() >= rest.max() - tol
 
 
-def run_prefill_then_decode(layer: dsa.Indexer):
+def run_prefill_then_decode(layer: dsa.Indexer, decode_lens: list[int] = DECODE):
     cfg = layer.cfg
     width = cfg.max_blocks_per_req
     table = torch.arange(3 * width, dtype=torch.int32).view(3, width).flip(0).contiguous()
@@ -130,7 +130,7 @@ def run_prefill_then_decode(layer: dsa.Indexer):
     prefill = layer(*inputs(tokens, batch.num_tokens), batch.positions, meta)
     history += tokens
 
-    live, _, tokens = batch_for(DECODE)
+    live, _, tokens = batch_for(decode_lens)
     padded = pad_batch(live, 4, 4 * cfg.next_n)  # one padding request, three padding tokens
     decode = layer(*inputs(tokens, padded.num_tokens), padded.positions,
                    dsa.build_decode_metadata(cfg, padded))
@@ -138,15 +138,18 @@ def run_prefill_then_decode(layer: dsa.Indexer):
     return prefill, decode, history, table
 
 
-@pytest.mark.parametrize("layout", ["native", "flat"])
-def test_prefill_and_decode_select_the_true_top_k(layout):
-    cfg = make_config(decode_layout=layout)
+@pytest.mark.parametrize(("layout", "next_n", "decode_lens"), [
+    ("native", 2, DECODE), ("flat", 2, DECODE), ("native", 3, [3, 1, 2]),
+    ("native", 4, [4, 2, 3]), ("auto", 4, [1, 4, 4])])
+def test_prefill_and_decode_select_the_true_top_k(layout, next_n, decode_lens):
+    cfg = make_config(decode_layout=layout, next_n=next_n)
+    assert cfg.layout == ("native" if layout == "auto" else layout)
     layer = make_layer(cfg)
-    prefill, decode, history, table = run_prefill_then_decode(layer)
+    prefill, decode, history, table = run_prefill_then_decode(layer, decode_lens)
     logits = reference_logits(layer, history)
     num_prefill = sum(PROMPTS)
     check_selection(prefill.indices, logits[:num_prefill], cfg.topk)
-    real = sum(DECODE)
+    real = sum(decode_lens)
     check_selection(decode.indices[:real], logits[num_prefill:], cfg.topk)
     assert (decode.indices[real:] == -1).all() and (decode.slots[real:] == -1).all()
 

@@ -6,6 +6,8 @@ The DeepGEMM ops (``*_deepgemm``) and the Python choosers (``paged_logits``,
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import reference_compute as ref
@@ -14,7 +16,7 @@ from faces import FACE_NAMES, HAS_CUDA, KERNEL_MARK, run_op, to_cpu
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dsa.ops import FACES
-from dsa.ops.logits import deepgemm, paged_logits, ragged_logits
+from dsa.ops.logits import deepgemm, paged, paged_logits, ragged_logits
 from dsa.ops.logits.paged import PagedLogitsConfig, paged_logits_triton
 from dsa.ops.logits.ragged import MqaLogitsConfig, mqa_logits_triton
 from dsa.ops.quant import quantize_rows
@@ -114,6 +116,9 @@ PAGED_SHAPES = [
     (2, 2, 16, 64, 64, 130),
     (1, 1, 16, 32, 128, 200),
     (2, 3, 8, 32, 16, 77),
+    (2, 3, 16, 32, 64, 150),   # next_n 3 and 4 (MTP), one cache block per 64-token tile
+    (2, 4, 16, 32, 64, 130),
+    (1, 4, 8, 32, 128, 300),   # tiles inside a larger block
     (1, 1, 64, 64, 64, 65),
     (2, 1, 4, 32, 16, 50),
     (2, 2, 16, 32, 16, 0),
@@ -134,11 +139,12 @@ def test_paged_logits_match_reference(face, shape):
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
-@pytest.mark.parametrize("width", [2, 9])
-def test_paged_logits_invalid_blocks_are_masked(face, width):
-    # width 2 is narrower than the contexts; the table holds -1 and out-of-cache entries.
-    inputs, max_len, dequantised, exact = paged_case(3, 2, 2, 16, 32, 16, 120, width=width,
-                                                     broken_table=True)
+@pytest.mark.parametrize(("next_n", "block_size", "max_len", "width"),
+                         [(2, 16, 120, 2), (2, 16, 120, 9), (4, 64, 300, 3), (3, 64, 300, 6)])
+def test_paged_logits_invalid_blocks_are_masked(face, next_n, block_size, max_len, width):
+    # A table narrower than the contexts; the table holds -1 and out-of-cache entries.
+    inputs, max_len, dequantised, exact = paged_case(3, 2, next_n, 16, 32, block_size,
+                                                     max_len, width=width, broken_table=True)
     with ref.poisoned_empty():
         out = run_op(face, "paged_mqa_logits", *inputs, max_len)
     check_logits(out, dequantised, exact)
@@ -151,8 +157,9 @@ def test_paged_logits_invalid_blocks_are_masked(face, width):
      PagedLogitsConfig(tile=32, tiles_per_program=1),
      PagedLogitsConfig(tile=128, tiles_per_program=2, num_warps=8, num_stages=4)],
 )
-def test_paged_logits_triton_configs(config):
-    inputs, max_len, dequantised, exact = paged_case(4, 2, 2, 16, 32, 64, 190)
+@pytest.mark.parametrize("next_n", [1, 2, 4])
+def test_paged_logits_triton_configs(config, next_n):
+    inputs, max_len, dequantised, exact = paged_case(4, 2, next_n, 16, 32, 64, 190)
     with ref.poisoned_empty():
         out = paged_logits_triton(*on_kernel_device(inputs), max_len, config=config)
     check_logits(to_cpu(out), dequantised, exact)
@@ -204,6 +211,29 @@ def test_paged_chooser_runs_dsa_kernel_off_deepgemm():
     for kwargs in ({}, {"backend": "auto", "schedule": schedule}, {"backend": "triton"}):
         got = paged_logits(*inputs, max_len, **kwargs)
         assert torch.equal(got, want) and got.stride() == want.stride()
+
+
+def test_paged_chooser_auto_rule(monkeypatch):
+    """Where DeepGEMM could run, "auto" takes it unless ``AUTO_TRITON_MAX_BATCH`` says
+    dsa's kernel was measured faster for that next_n and batch."""
+    monkeypatch.setattr(deepgemm, "paged_unsupported_reason",
+                        lambda *shape: None if shape[-1] in deepgemm.PAGED_NEXT_N else "next_n")
+    cuda = torch.device("cuda")
+    choose = functools.partial(paged.paged_backend, "auto", cuda, 64, 128, 64)
+    assert [choose(n, 8) for n in (1, 2, 3, 4)] == ["deepgemm"] * 2 + ["triton"] * 2
+    monkeypatch.setattr(paged, "AUTO_TRITON_MAX_BATCH", {1: 4})
+    assert [choose(1, b) for b in (1, 4, 5, None)] == ["triton"] * 2 + ["deepgemm"] * 2
+    assert choose(2, 1) == "deepgemm"
+    assert paged.paged_backend("deepgemm", cuda, 64, 128, 64, 1, 1) == "deepgemm"
+
+
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4])
+def test_paged_default_config_by_rows(next_n):
+    config = paged.paged_logits_config(64, next_n, 64, 65536)
+    rows = 64 * (4 if next_n == 3 else next_n)
+    assert (config.num_warps, config.num_stages) == paged.PAGED_WARPS_STAGES[rows]
+    assert (config.tile, config.tiles_per_program) == (64, 16)
+    assert paged.paged_logits_config(1, next_n, 64, 4096).tiles_per_program == 1
 
 
 def test_paged_schedule_on_cpu_is_zeros():

@@ -11,6 +11,7 @@ import reference_compute as ref
 import torch
 
 from dsa.ops.logits import deepgemm, paged_backend, paged_logits, ragged_logits
+from dsa.ops.logits.paged import PagedLogitsConfig, paged_logits_triton
 from dsa.ops.logits.ragged import mqa_logits_triton
 from dsa.ops.quant import quantize_rows
 
@@ -130,7 +131,17 @@ DECODE_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("shape", DECODE_SHAPES)
+# Multi-token prediction: next_n 3 and 4 run on dsa's kernel only.
+MTP_SHAPES = [
+    # batch, next_n, max_context_len
+    (8, 3, 16384),
+    (4, 4, 32768),
+    (33, 4, 2000),
+    (1, 3, 262144),
+]
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES + MTP_SHAPES)
 def test_triton_paged_logits(shape):
     case = Decode(0, *shape)
     with ref.poisoned_empty():
@@ -210,9 +221,24 @@ def test_auto_falls_back_to_triton(batch, next_n, heads, head_dim):
         torch.ops.dsa.paged_mqa_logits_deepgemm(*case.inputs, case.max_len)
 
 
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4])
+def test_triton_paged_logits_configs_agree(next_n):
+    """The default launch and others (tiles across blocks, several tiles per program, other
+    warps and stages) give the same logits and the same -inf mask."""
+    case = Decode(10, 6, next_n, 5000)
+    want = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len)
+    valid = case.valid()
+    for config in (PagedLogitsConfig(tile=128, tiles_per_program=3, num_warps=8, num_stages=3),
+                   PagedLogitsConfig(tile=32, tiles_per_program=5, num_warps=4, num_stages=2),
+                   PagedLogitsConfig(tile=64, tiles_per_program=64, num_warps=8, num_stages=4)):
+        got = paged_logits_triton(*case.inputs, case.max_len, config=config)
+        assert torch.equal(torch.isneginf(got), ~valid), config
+        assert gpu_relative_error(got[valid], want[valid]) < 1e-6, config
+
+
 def test_cpu_face_matches_triton():
     """dsa's op on CPU copies (plain torch) equals its Triton face on the GPU."""
-    case = Decode(5, 4, 2, 5000)
+    case = Decode(5, 4, 4, 5000)
     cpu_out = torch.ops.dsa.paged_mqa_logits(*(t.cpu() for t in case.inputs), case.max_len)
     triton_out = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len).cpu()
     valid = case.valid().cpu()

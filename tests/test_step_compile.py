@@ -21,7 +21,8 @@ HIDDEN, Q_LORA_RANK, LAYERS, CAPACITY = 64, 32, 2, 4
 CONFIGS = {
     "next_n1": {"next_n": 1},
     "next_n2_native": {"next_n": 2},
-    "next_n3_flat": {"next_n": 3},
+    "next_n3_flat": {"next_n": 3, "decode_layout": "flat"},
+    "next_n4_native": {"next_n": 4},
     "compress4": {"next_n": 2, "compress_ratio": 4},
 }
 

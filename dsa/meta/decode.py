@@ -93,8 +93,9 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
     qsl = batch.query_start_loc
     native = cfg.layout == "native"
     next_n = cfg.next_n if native else 1
+    rows = qsl.shape[0] - 1 if native else batch.positions.shape[0]
     backend = paged_backend(cfg.logits_backend, qsl.device, cfg.num_heads, cfg.head_dim,
-                            cfg.block_size, next_n)
+                            cfg.block_size, next_n, rows)
     request_table, slots = indexer_writes(cfg, batch)
     width = max_context_len(cfg)
     # One launch: lengths (compressed, DCP-local, capped so that no length reaches past its

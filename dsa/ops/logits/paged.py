@@ -47,19 +47,32 @@ class PagedLogitsConfig:
     num_stages: int = 3
 
 
+# (num_warps, num_stages) by the rows of the q operand (next_n * heads, padded to powers of
+# two). Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs the
+# launch decided before capture. From sm_90 builds with Triton 3.6 (ptxas; H 64, D 128, tile
+# 64, 4 stages) at 64 / 128 / 256 rows and 4 warps: 80 / 148 / 255 registers (5 / 3 / 2 CTAs
+# per SM), 223 / 315 / 482 instructions per warp per tile, no spills; 8 warps at 256 rows:
+# 140 registers (one CTA per SM) and more instructions in all. 4 stages keep 3 K tiles in
+# flight per program. Replace with the H200 sweep's winners
+# (``benchmarks/bench_logits_sweep.py --sweep``).
+PAGED_WARPS_STAGES = {64: (4, 4), 128: (4, 4), 256: (4, 4)}
+
+
 def paged_logits_config(batch: int, next_n: int, num_heads: int,
                         max_context_len: int) -> PagedLogitsConfig:
-    """Default launch parameters for a shape, from the H200 sweep
-    (``benchmarks/bench_logits_sweep.py``): 64-token tiles, two pipeline stages, and about
-    512 programs or more, each taking at most 16 tiles of its request's context."""
+    """Default launch parameters for a shape: 64-token tiles (one cache block of 64 per
+    tile), about 512 programs or more, each taking at most 16 tiles of its request's context
+    (so one long request still spreads over every SM), and warps/stages from
+    ``PAGED_WARPS_STAGES``."""
     tile = 64
     tiles = batch * max(1, triton.cdiv(max_context_len, tile))
     rows = triton.next_power_of_2(next_n) * triton.next_power_of_2(num_heads)
+    warps, stages = PAGED_WARPS_STAGES[min(max(rows, 64), 256)]
     return PagedLogitsConfig(
         tile=tile,
         tiles_per_program=max(1, min(16, tiles // 512)),
-        num_warps=8 if rows >= 256 else 4,
-        num_stages=2,
+        num_warps=warps,
+        num_stages=stages,
     )
 
 
@@ -126,6 +139,25 @@ def _paged_logits_torch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, contex
     return out
 
 
+@triton.jit
+def _tile_blocks(bt_row, t, longest, width, num_blocks, cols, BS: tl.constexpr,
+                 TILE: tl.constexpr):
+    """Cache block of tile ``t``'s tokens (0, always present, where invalid) and whether
+    each token is valid: one table entry when the tile lies in one block, else one each."""
+    if BS % TILE == 0:
+        bt_col = t * TILE // BS
+        blk = tl.load(bt_row + bt_col, mask=bt_col < width, other=-1)
+        ok = (blk >= 0) & (blk < num_blocks)
+        return tl.where(ok, blk, 0).to(tl.int64), ok & (cols >= 0)
+    else:
+        pos = t * TILE + cols
+        bt_col = pos // BS
+        ok = (pos < longest) & (bt_col < width)
+        blk = tl.load(bt_row + bt_col, mask=ok, other=-1)
+        ok = ok & (blk >= 0) & (blk < num_blocks)
+        return tl.where(ok, blk, 0).to(tl.int64), ok
+
+
 # Runtime ints that vary with the batch stay unspecialised: one compile per config and shape
 # family, not one per context length.
 @triton.jit(do_not_specialize=["bt_stride", "width", "num_blocks", "max_context_len",
@@ -151,7 +183,9 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
     store_rows = (jn < N)[None, :]
     cols = tl.arange(0, TILE)
 
-    # q and weights of all (row, head) pairs, padded to NP * HP rows, loaded once.
+    # q of all (row, head) pairs as one [NP * HP, D] operand (row r = j * HP + h, padding
+    # rows zero; staged in shared memory once) and its head weights: every K tile is read
+    # once for all of the request's rows.
     r = tl.arange(0, NP * HP)
     row_ok = (r // HP < N) & (r % HP < H)
     qrow = b * N + r // HP
@@ -161,14 +195,15 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
     w = tl.load(w_ptr + qrow.to(tl.int64) * w_stride0 + (r % HP) * w_stride1, mask=row_ok,
                 other=0.0)
 
+    # Block ids are read one tile ahead and carried: K addresses then do not wait on a load
+    # issued in their own iteration, and the pipeliner keeps num_stages - 1 K tiles in flight.
+    bt_row = bt_ptr + b.to(tl.int64) * bt_stride
+    blk_next, ok_next = _tile_blocks(bt_row, t_begin, longest, width, num_blocks, cols, BS, TILE)
     for t in range(t_begin, t_mid):
         pos = t * TILE + cols
-        bt_col = pos // BS
-        ok = (pos < longest) & (bt_col < width)
-        blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + bt_col, mask=ok, other=-1)
-        ok = ok & (blk >= 0) & (blk < num_blocks)
-        # Invalid tokens read block 0 (always present) and are masked to -inf below.
-        blk = tl.where(ok, blk, 0).to(tl.int64)
+        blk, ok = blk_next, ok_next
+        blk_next, ok_next = _tile_blocks(bt_row, t + 1, longest, width, num_blocks, cols, BS,
+                                         TILE)
         off = pos % BS
         src = blk * VALUE_STRIDE + off * D
         if BLOCK_D == D:
@@ -176,15 +211,13 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
         else:
             k = tl.load(value_ptr + src[:, None] + d[None, :], mask=(d < D)[None, :], other=0.0)
         k_scale = tl.load(scale_ptr + blk * SCALE_STRIDE + off)
-        s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0)
-        for j in tl.static_range(N):
-            # Row j's heads are the columns [j * HP, j * HP + H) of s.
-            w_j = tl.where(r // HP == j, w, 0.0)
-            logits = tl.sum(s * w_j[None, :], axis=1) * k_scale
-            ctx_j = tl.sum(tl.where(jn == j, ctx, 0), axis=0)
-            tl.store(out_ptr + (b * N + j).to(tl.int64) * out_stride + pos,
-                     tl.where(ok & (pos < ctx_j), logits, float("-inf")),
-                     mask=pos < max_context_len)
+        # [TILE, NP * HP] scores, keys on the MMA's M side: each key's head sums stay within
+        # a thread and its quad. Row j's heads are the HP consecutive columns j * HP + h.
+        s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
+        logits = tl.sum(tl.reshape(s, (TILE, NP, HP)), axis=2) * k_scale[:, None]
+        tl.store(out_rows[None, :] + pos[:, None],
+                 tl.where(ok[:, None] & (pos[:, None] < ctx[None, :]), logits, float("-inf")),
+                 mask=store_rows & (pos < max_context_len)[:, None])
     for t in range(t_mid, t_end):
         pos = t * TILE + cols
         tl.store(out_rows[None, :] + pos[:, None],
@@ -294,10 +327,20 @@ def _paged_deepgemm_cuda(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, conte
 # --- choosing ------------------------------------------------------------------------------
 
 
+# Where "auto" runs dsa's kernel although DeepGEMM could take the call: next_n -> the largest
+# batch (q_fp8.shape[0]) at which the H200 runs of benchmarks/bench_logits_sweep.py measured
+# Triton faster. Empty: "auto" takes DeepGEMM wherever it runs (next_n <= 2 on SM90) and
+# dsa's kernel elsewhere (next_n 3 and 4, other GPUs, the CPU).
+AUTO_TRITON_MAX_BATCH: dict[int, int] = {}
+
+
 def paged_backend(backend: str, device: torch.device, num_heads: int, head_dim: int,
-                  block_size: int, next_n: int) -> str:
+                  block_size: int, next_n: int, batch: int | None = None) -> str:
     """"deepgemm" or "triton": the implementation ``backend`` ("auto", "triton" or
-    "deepgemm") runs for this shape on ``device``."""
+    "deepgemm") runs for this shape on ``device`` (``batch``: requests of the call, for
+    ``AUTO_TRITON_MAX_BATCH``; None: DeepGEMM wherever it runs)."""
+    if backend == "auto" and batch is not None and batch <= AUTO_TRITON_MAX_BATCH.get(next_n, -1):
+        return "triton"
     return choose_backend("paged_mqa_logits", backend, lambda: deepgemm.paged_unsupported_reason(
         device, num_heads, head_dim, block_size, next_n))
 
@@ -307,9 +350,9 @@ def paged_logits(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, context_lens:
                  schedule: Tensor | None = None) -> Tensor:
     """Paged logits on the implementation :func:`paged_backend` picks (``schedule``: a
     DeepGEMM schedule for these lengths, used when DeepGEMM runs)."""
-    _, next_n, num_heads, head_dim = q_fp8.shape
+    batch, next_n, num_heads, head_dim = q_fp8.shape
     args = (q_fp8, kv_cache, weights, context_lens, block_table, max_context_len)
-    if paged_backend(backend, q_fp8.device, num_heads, head_dim, kv_cache.shape[1],
-                     next_n) == "deepgemm":
+    if paged_backend(backend, q_fp8.device, num_heads, head_dim, kv_cache.shape[1], next_n,
+                     batch) == "deepgemm":
         return torch.ops.dsa.paged_mqa_logits_deepgemm(*args, schedule)
     return torch.ops.dsa.paged_mqa_logits(*args)
