@@ -69,10 +69,9 @@ def padded_block_table(block_table: Tensor) -> Tensor:
 # --- quantize_and_cache_k ------------------------------------------------------------------
 
 
-@dsa_op("quantize_and_cache_k", mutates_args=("kv_cache",))
-def _check_cache_write(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
-                       ue8m0: bool = False) -> None:
-    op = "quantize_and_cache_k"
+def check_k_write(op: str, k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                  ue8m0: bool) -> None:
+    """k ``[T, D]`` (float, any strides) for a ``kv_cache`` of head_dim D, int64 slots ``[T]``."""
     check_tensor(op, "k", k, dtype=FLOAT_DTYPES, ndim=2)
     _, _, head_dim = check_kv_cache(op, kv_cache, like=k)
     check_size(op, "k", k, 1, head_dim, "head_dim = kv_cache.shape[3] - 4")
@@ -82,10 +81,15 @@ def _check_cache_write(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
         raise TypeError(f"dsa.{op}: `ue8m0` must be a bool, got {type(ue8m0).__name__}")
 
 
-@_check_cache_write.cpu
-def _quantize_and_cache_k_cpu(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
-                              ue8m0: bool = False) -> None:
-    _check_cache_write(k, kv_cache, slot_mapping, ue8m0)
+@dsa_op("quantize_and_cache_k", mutates_args=("kv_cache",))
+def _check_cache_write(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                       ue8m0: bool = False) -> None:
+    check_k_write("quantize_and_cache_k", k, kv_cache, slot_mapping, ue8m0)
+
+
+def write_k_rows(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, ue8m0: bool) -> None:
+    """Torch face of the cache write: quantises ``k`` and writes token t at
+    ``slot_mapping[t]``; slots outside the cache write nothing (design §2)."""
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
@@ -108,6 +112,38 @@ def _quantize_and_cache_k_cpu(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
     scales.index_put_((blk, off), new_scales)
 
 
+@_check_cache_write.cpu
+def _quantize_and_cache_k_cpu(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                              ue8m0: bool = False) -> None:
+    _check_cache_write(k, kv_cache, slot_mapping, ue8m0)
+    write_k_rows(k, kv_cache, slot_mapping, ue8m0)
+
+
+@triton.jit
+def store_k_rows(x, slot, ok, value_ptr, scale_ptr, VALUE_STRIDE: tl.constexpr,
+                 SCALE_STRIDE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr, UE8M0: tl.constexpr):
+    """Quantises fp32 ``x`` ``[BLOCK_T, BLOCK_D]`` (zero past ``D`` and where not ``ok``)
+    and writes the ``ok`` rows to their cache slots."""
+    d = tl.arange(0, BLOCK_D)
+    x = nan_to_num(x)
+    scale = fp8_scale_of(tl.max(tl.abs(x), axis=1), UE8M0)
+    slot = tl.where(ok, slot, 0)
+    blk = slot // BS
+    off = slot % BS
+    dst = blk * VALUE_STRIDE + off * D
+    tl.store(value_ptr + dst[:, None] + d[None, :], fp8_e4m3_bits(tl.div_rn(x, scale[:, None])),
+             mask=ok[:, None] & (d < D)[None, :])
+    tl.store(scale_ptr + blk * SCALE_STRIDE + off, scale, mask=ok)
+
+
+@triton.jit
+def load_slots(slot_ptr, tok, num_tokens, num_slots):
+    """(slots, whether each writes): ``tok``'s slots, inside ``[0, num_slots)``."""
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1)
+    return slot, (slot >= 0) & (slot < num_slots)
+
+
 @triton.jit
 def _cache_write_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, value_ptr, scale_ptr, num_tokens,
                         num_slots, VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
@@ -115,19 +151,18 @@ def _cache_write_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, value_ptr, scale_
                         BLOCK_T: tl.constexpr, UE8M0: tl.constexpr):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, BLOCK_D)
-    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1)
-    ok = (slot >= 0) & (slot < num_slots)
+    slot, ok = load_slots(slot_ptr, tok, num_tokens, num_slots)
     mask = ok[:, None] & (d < D)[None, :]
-    x = nan_to_num(tl.load(k_ptr + tok.to(tl.int64)[:, None] * k_stride0
-                               + d[None, :] * k_stride1, mask=mask, other=0.0).to(tl.float32))
-    scale = fp8_scale_of(tl.max(tl.abs(x), axis=1), UE8M0)
-    slot = tl.where(ok, slot, 0)
-    blk = slot // BS
-    off = slot % BS
-    dst = blk * VALUE_STRIDE + off * D
-    tl.store(value_ptr + dst[:, None] + d[None, :], fp8_e4m3_bits(tl.div_rn(x, scale[:, None])),
-             mask=mask)
-    tl.store(scale_ptr + blk * SCALE_STRIDE + off, scale, mask=ok)
+    x = tl.load(k_ptr + tok.to(tl.int64)[:, None] * k_stride0 + d[None, :] * k_stride1,
+                mask=mask, other=0.0)
+    store_k_rows(x.to(tl.float32), slot, ok, value_ptr, scale_ptr, VALUE_STRIDE=VALUE_STRIDE,
+                 SCALE_STRIDE=SCALE_STRIDE, BS=BS, D=D, BLOCK_D=BLOCK_D, UE8M0=UE8M0)
+
+
+def k_launch_blocks(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_T) of the kernels writing k rows."""
+    block_d = triton.next_power_of_2(head_dim)
+    return block_d, max(1, min(16, 2048 // block_d))
 
 
 @_check_cache_write.cuda
@@ -139,8 +174,7 @@ def _quantize_and_cache_k_cuda(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor
         return
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
-    block_d = triton.next_power_of_2(head_dim)
-    block_t = max(1, min(16, 2048 // block_d))
+    block_d, block_t = k_launch_blocks(head_dim)
     _cache_write_kernel[(triton.cdiv(num_tokens, block_t),)](
         k, k.stride(0), k.stride(1), slot_mapping, values.view(torch.uint8), scales, num_tokens,
         num_blocks * block_size, VALUE_STRIDE=values.stride(0), SCALE_STRIDE=scales.stride(0),
