@@ -5,6 +5,7 @@ Importing this package registers the ops; ``FACES`` maps op names to their three
 
 - ``decode_meta``, ``prefill_meta``, ``dcp``, ``layout``, ``write_slots``: metadata;
 - ``quant``, ``kcache``: fp8 quantisation, the paged K cache (write, gather);
+- ``prologue``: RoPE, Hadamard and quantisation of q and k in one launch each;
 - ``logits/``: MQA logits (paged, ragged, DeepGEMM schedule);
 - ``topk/``: top-k selection and the index-to-slot transform.
 
@@ -18,6 +19,7 @@ from dsa.ops import (
     layout,
     logits,
     prefill_meta,
+    prologue,
     quant,
     topk,
     write_slots,
@@ -32,6 +34,7 @@ __all__ = [
     "layout",
     "logits",
     "prefill_meta",
+    "prologue",
     "quant",
     "topk",
     "write_slots",
