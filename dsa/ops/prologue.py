@@ -46,7 +46,8 @@ _NO_FMA = {"enable_fp_fusion": False}
 
 
 def check_rope(op: str, x: Tensor, cos_sin: Tensor, positions: Tensor, hadamard: bool) -> None:
-    """The RoPE table and positions of ``x`` (``[T, ..., D]``), and the Hadamard flag."""
+    """The RoPE table and positions of ``x`` (``[T, ..., D]``); a power-of-two D for the
+    Hadamard rotation."""
     head_dim = x.shape[-1]
     check_tensor(op, "cos_sin", cos_sin, dtype=torch.float32, ndim=2, contiguous=True, like=x)
     rope_dim = cos_sin.shape[1]
@@ -56,8 +57,6 @@ def check_rope(op: str, x: Tensor, cos_sin: Tensor, positions: Tensor, hadamard:
                          f"{tuple(cos_sin.shape)}")
     check_tensor(op, "positions", positions, dtype=POSITION_DTYPES, ndim=1, like=x)
     check_size(op, "positions", positions, 0, x.shape[0], "num_tokens = x.shape[0]")
-    if not isinstance(hadamard, bool):
-        raise TypeError(f"dsa.{op}: `hadamard` must be a bool, got {type(hadamard).__name__}")
     if hadamard and head_dim & (head_dim - 1):
         raise ValueError(f"dsa.{op}: the Hadamard rotation needs a power-of-two head_dim, got "
                          f"{head_dim}")
