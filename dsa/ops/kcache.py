@@ -11,6 +11,8 @@ Ops: ``dsa::quantize_and_cache_k`` (the only op that mutates an argument) and
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -159,27 +161,32 @@ def _cache_write_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, value_ptr, scale_
                  SCALE_STRIDE=SCALE_STRIDE, BS=BS, D=D, BLOCK_D=BLOCK_D, UE8M0=UE8M0)
 
 
-def k_launch_blocks(head_dim: int) -> tuple[int, int]:
-    """(BLOCK_D, BLOCK_T) of the kernels writing k rows."""
+def launch_k_rows(kernel: Any, k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, *args: Any,
+                  block_t: int | None = None, **constexprs: Any) -> None:
+    """Launches a kernel writing k rows to the cache with ``store_k_rows``: ``kernel(k,
+    k strides, slots, value bytes, scales, num_tokens, num_slots, *args)`` with the
+    layout's, the block's and ``constexprs``; ``block_t`` tokens a program (default: 16 of
+    D = 128). Nothing with no tokens."""
+    num_tokens, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    values, scales = kcache_views(kv_cache)
+    num_blocks, block_size = scales.shape
     block_d = triton.next_power_of_2(head_dim)
-    return block_d, max(1, min(16, 2048 // block_d))
+    block_t = block_t or max(1, min(16, 2048 // block_d))
+    kernel[(triton.cdiv(num_tokens, block_t),)](
+        k, k.stride(0), k.stride(1), slot_mapping, values.view(torch.uint8), scales, num_tokens,
+        num_blocks * block_size, *args, VALUE_STRIDE=values.stride(0),
+        SCALE_STRIDE=scales.stride(0), BS=block_size, D=head_dim, BLOCK_D=block_d,
+        BLOCK_T=block_t, **constexprs,
+    )
 
 
 @_check_cache_write.cuda
 def _quantize_and_cache_k_cuda(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                                ue8m0: bool = False) -> None:
     _check_cache_write(k, kv_cache, slot_mapping, ue8m0)
-    num_tokens, head_dim = k.shape
-    if num_tokens == 0:
-        return
-    values, scales = kcache_views(kv_cache)
-    num_blocks, block_size = scales.shape
-    block_d, block_t = k_launch_blocks(head_dim)
-    _cache_write_kernel[(triton.cdiv(num_tokens, block_t),)](
-        k, k.stride(0), k.stride(1), slot_mapping, values.view(torch.uint8), scales, num_tokens,
-        num_blocks * block_size, VALUE_STRIDE=values.stride(0), SCALE_STRIDE=scales.stride(0),
-        BS=block_size, D=head_dim, BLOCK_D=block_d, BLOCK_T=block_t, UE8M0=ue8m0,
-    )
+    launch_k_rows(_cache_write_kernel, k, kv_cache, slot_mapping, UE8M0=ue8m0)
 
 
 # --- gather_k ------------------------------------------------------------------------------

@@ -24,8 +24,7 @@ from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor
 from dsa.ops._registry import dsa_op
 from dsa.ops.kcache import (
     check_k_write,
-    k_launch_blocks,
-    kcache_views,
+    launch_k_rows,
     load_slots,
     store_k_rows,
     write_k_rows,
@@ -136,10 +135,10 @@ def _load_positions(pos_ptr, tok, ok, max_pos):
     return tl.minimum(tl.maximum(pos, 0), max_pos)
 
 
-def _rope_constexprs(x: Tensor, cos_sin: Tensor, hadamard: bool, block_d: int) -> dict:
-    head_dim = x.shape[-1]
-    return {"D": head_dim, "BLOCK_D": block_d, "ROPE_DIM": cos_sin.shape[1],
-            "HADAMARD": hadamard, "LOG2_D": block_d.bit_length() - 1, **_NO_FMA}
+def _rope_constexprs(x: Tensor, cos_sin: Tensor, hadamard: bool) -> dict:
+    """Constexprs of ``_rope_hadamard_rows`` (D is a power of two with the Hadamard)."""
+    log2_d = x.shape[-1].bit_length() - 1 if hadamard else 0
+    return {"ROPE_DIM": cos_sin.shape[1], "HADAMARD": hadamard, "LOG2_D": log2_d, **_NO_FMA}
 
 
 # --- rope_hadamard_quantize_q ----------------------------------------------------------------
@@ -181,18 +180,21 @@ def _q_prologue_kernel(q_ptr, w_ptr, w_stride0, w_stride1, cs_ptr, pos_ptr, max_
 
 def q_prologue_triton(q: Tensor, weights: Tensor, cos_sin: Tensor, positions: Tensor,
                       hadamard: bool, ue8m0: bool, q_fp8: Tensor, head_weights: Tensor,
-                      block_r: int) -> None:
-    """The q kernel into given outputs, ``block_r`` (q, head) rows a program."""
+                      block_r: int | None = None) -> None:
+    """The q kernel into given outputs, ``block_r`` (token, head) rows a program (default:
+    ``q_launch_blocks``')."""
     num_tokens, num_heads, head_dim = q.shape
     num_rows = num_tokens * num_heads
     if num_rows == 0:
         return
-    block_d, _ = q_launch_blocks(head_dim)
+    block_d, default_r = q_launch_blocks(head_dim)
+    block_r = block_r or default_r
     _q_prologue_kernel[(triton.cdiv(num_rows, block_r),)](
         q, weights, weights.stride(0), weights.stride(1), cos_sin, positions,
         cos_sin.shape[0] - 1, q_fp8.view(torch.uint8), head_weights, num_rows,
         hadamard_scale(head_dim, q.dtype), weight_scale(num_heads, head_dim), H=num_heads,
-        BLOCK_R=block_r, UE8M0=ue8m0, **_rope_constexprs(q, cos_sin, hadamard, block_d),
+        D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, UE8M0=ue8m0,
+        **_rope_constexprs(q, cos_sin, hadamard),
     )
 
 
@@ -200,12 +202,9 @@ def q_prologue_triton(q: Tensor, weights: Tensor, cos_sin: Tensor, positions: Te
 def _rope_hadamard_quantize_q_cuda(q: Tensor, weights: Tensor, cos_sin: Tensor,
                                    positions: Tensor, hadamard: bool = True,
                                    ue8m0: bool = False) -> tuple[Tensor, Tensor]:
-    q_fp8, head_weights = _rope_hadamard_quantize_q_out(q, weights, cos_sin, positions,
-                                                        hadamard, ue8m0)
-    _, block_r = q_launch_blocks(q.shape[2])
-    q_prologue_triton(q, weights, cos_sin, positions, hadamard, ue8m0, q_fp8, head_weights,
-                      block_r)
-    return q_fp8, head_weights
+    outputs = _rope_hadamard_quantize_q_out(q, weights, cos_sin, positions, hadamard, ue8m0)
+    q_prologue_triton(q, weights, cos_sin, positions, hadamard, ue8m0, *outputs)
+    return outputs
 
 
 # --- rope_hadamard_quantize_and_cache_k ------------------------------------------------------
@@ -228,12 +227,11 @@ def _rope_hadamard_quantize_and_cache_k_cpu(k: Tensor, kv_cache: Tensor, slot_ma
 
 
 @triton.jit
-def _k_prologue_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, cs_ptr, pos_ptr, max_pos,
-                       value_ptr, scale_ptr, num_tokens, num_slots, c,
-                       VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, BS: tl.constexpr,
-                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                       ROPE_DIM: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr,
-                       UE8M0: tl.constexpr):
+def _k_prologue_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, value_ptr, scale_ptr, num_tokens,
+                       num_slots, cs_ptr, pos_ptr, max_pos, c, VALUE_STRIDE: tl.constexpr,
+                       SCALE_STRIDE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, ROPE_DIM: tl.constexpr,
+                       HADAMARD: tl.constexpr, LOG2_D: tl.constexpr, UE8M0: tl.constexpr):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot, ok = load_slots(slot_ptr, tok, num_tokens, num_slots)
     pos = _load_positions(pos_ptr, tok, ok, max_pos)
@@ -245,21 +243,12 @@ def _k_prologue_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, cs_ptr, pos_ptr, m
 
 
 def k_prologue_triton(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, cos_sin: Tensor,
-                      positions: Tensor, hadamard: bool, ue8m0: bool, block_t: int) -> None:
-    """The k kernel, ``block_t`` tokens a program."""
-    num_tokens, head_dim = k.shape
-    if num_tokens == 0:
-        return
-    values, scales = kcache_views(kv_cache)
-    num_blocks, block_size = scales.shape
-    block_d, _ = k_launch_blocks(head_dim)
-    _k_prologue_kernel[(triton.cdiv(num_tokens, block_t),)](
-        k, k.stride(0), k.stride(1), slot_mapping, cos_sin, positions, cos_sin.shape[0] - 1,
-        values.view(torch.uint8), scales, num_tokens, num_blocks * block_size,
-        hadamard_scale(head_dim, k.dtype), VALUE_STRIDE=values.stride(0),
-        SCALE_STRIDE=scales.stride(0), BS=block_size, BLOCK_T=block_t, UE8M0=ue8m0,
-        **_rope_constexprs(k, cos_sin, hadamard, block_d),
-    )
+                      positions: Tensor, hadamard: bool, ue8m0: bool,
+                      block_t: int | None = None) -> None:
+    """The k kernel, ``block_t`` tokens a program (default: ``launch_k_rows``')."""
+    launch_k_rows(_k_prologue_kernel, k, kv_cache, slot_mapping, cos_sin, positions,
+                  cos_sin.shape[0] - 1, hadamard_scale(k.shape[1], k.dtype), block_t=block_t,
+                  UE8M0=ue8m0, **_rope_constexprs(k, cos_sin, hadamard))
 
 
 @_check_k_prologue.cuda
@@ -267,5 +256,4 @@ def _rope_hadamard_quantize_and_cache_k_cuda(k: Tensor, kv_cache: Tensor, slot_m
                                              cos_sin: Tensor, positions: Tensor,
                                              hadamard: bool = True, ue8m0: bool = False) -> None:
     _check_k_prologue(k, kv_cache, slot_mapping, cos_sin, positions, hadamard, ue8m0)
-    _, block_t = k_launch_blocks(k.shape[1])
-    k_prologue_triton(k, kv_cache, slot_mapping, cos_sin, positions, hadamard, ue8m0, block_t)
+    k_prologue_triton(k, kv_cache, slot_mapping, cos_sin, positions, hadamard, ue8m0)
