@@ -5,7 +5,8 @@ block is not interleaved per token: it holds ``block_size * D`` fp8 e4m3 value b
 (token-major), then ``block_size`` fp32 scales. :func:`kcache_views` returns both parts as
 views; everything that reads or writes the cache goes through that layout.
 
-Ops: ``dsa::quantize_and_cache_k`` (the only op that mutates an argument) and
+Ops: ``dsa::quantize_and_cache_k`` (mutates the cache, as the fused prologue's k op in
+``prologue.py`` does, through this module's ``write_k_rows`` / ``store_k_rows``) and
 ``dsa::gather_k`` (a prefill chunk's K into a contiguous workspace).
 """
 
