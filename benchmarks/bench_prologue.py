@@ -88,18 +88,14 @@ def main() -> None:
     for num_tokens in TOKENS:
         rows.append(bench_tokens(num_tokens, bandwidth))
         print(" | ".join(str(c) for c in rows[-1]), flush=True)
-    text = report(
-        "Indexer prologue: RoPE + Hadamard + fp8 quantisation + K-cache write",
-        "python benchmarks/bench_prologue.py",
-        markdown_table(header, rows),
-        notes=(f"H={H}, D={D}, rope_dim={ROPE_DIM}, bf16, block {BS}; unfused = neox_rope, "
-               f"Hadamard matmul, quantize_q, quantize_and_cache_k under torch.compile; fused "
-               f"= rope_hadamard_quantize_q + rope_hadamard_quantize_and_cache_k; medians of "
-               f"CUDA-graph replays (10 calls per graph); kernels: device activities of one "
-               f"call (profiler); copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)"),
-    )
-    publish(text, args.out)
-
+    notes = (f"H={H}, D={D}, rope_dim={ROPE_DIM}, bf16, block {BS}; unfused = neox_rope, Hadamard "
+             "matmul, quantize_q, quantize_and_cache_k under torch.compile; fused = "
+             "rope_hadamard_quantize_q + rope_hadamard_quantize_and_cache_k; medians of "
+             "CUDA-graph replays (10 calls per graph); kernels: device activities of one call "
+             f"(profiler); copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    title = "Indexer prologue: RoPE + Hadamard + fp8 quantisation + K-cache write"
+    table = markdown_table(header, rows)
+    publish(report(title, "python benchmarks/bench_prologue.py", table, notes), args.out)
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,6 @@ from dsa.ops.kcache import (
 from dsa.ops.quant import (
     check_q,
     empty_q_outputs,
-    q_launch_blocks,
     quantize_heads_into,
     round_to,
     store_q_rows,
@@ -182,13 +181,13 @@ def q_prologue_triton(q: Tensor, weights: Tensor, cos_sin: Tensor, positions: Te
                       hadamard: bool, ue8m0: bool, q_fp8: Tensor, head_weights: Tensor,
                       block_r: int | None = None) -> None:
     """The q kernel into given outputs, ``block_r`` (token, head) rows a program (default:
-    ``q_launch_blocks``')."""
+    16 of D = 128, like the k kernel: the rotation holds four tiles of the rows)."""
     num_tokens, num_heads, head_dim = q.shape
     num_rows = num_tokens * num_heads
     if num_rows == 0:
         return
-    block_d, default_r = q_launch_blocks(head_dim)
-    block_r = block_r or default_r
+    block_d = triton.next_power_of_2(head_dim)
+    block_r = block_r or max(1, 2048 // block_d)
     _q_prologue_kernel[(triton.cdiv(num_rows, block_r),)](
         q, weights, weights.stride(0), weights.stride(1), cos_sin, positions,
         cos_sin.shape[0] - 1, q_fp8.view(torch.uint8), head_weights, num_rows,

@@ -189,19 +189,14 @@ def _quantize_q_kernel(q_ptr, w_ptr, w_stride0, w_stride1, out_ptr, hw_ptr, num_
                  w_scale, H=H, D=D, BLOCK_D=BLOCK_D, UE8M0=UE8M0)
 
 
-def q_launch_blocks(head_dim: int) -> tuple[int, int]:
-    """(BLOCK_D, BLOCK_R) of the kernels quantising q rows."""
-    block_d = triton.next_power_of_2(head_dim)
-    return block_d, max(1, min(64, 4096 // block_d))
-
-
 @_quantize_q_out.cuda
 def _quantize_q_cuda(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
     q_fp8, head_weights = _quantize_q_out(q, weights, ue8m0)
     num_tokens, num_heads, head_dim = q.shape
     num_rows = num_tokens * num_heads
     if num_rows:
-        block_d, block_r = q_launch_blocks(head_dim)
+        block_d = triton.next_power_of_2(head_dim)
+        block_r = max(1, min(64, 4096 // block_d))
         _quantize_q_kernel[(triton.cdiv(num_rows, block_r),)](
             q, weights, weights.stride(0), weights.stride(1), q_fp8.view(torch.uint8),
             head_weights, num_rows, weight_scale(num_heads, head_dim),
