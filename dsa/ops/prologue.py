@@ -92,9 +92,8 @@ def rope_hadamard(x: Tensor, cos_sin: Tensor, positions: Tensor, hadamard: bool)
 @triton.jit
 def _fwht_rows(x, BLOCK_R: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
     """``fwht`` of each row of the fp32 tile ``x`` ``[BLOCK_R, D]``, in the same order."""
-    for s in tl.static_range(LOG2_D):
-        stride: tl.constexpr = 1 << s
-        pairs = tl.permute(tl.reshape(x, (BLOCK_R, D // (2 * stride), 2, stride)), (0, 1, 3, 2))
+    for s in tl.static_range(LOG2_D):  # stride 1 << s
+        pairs = tl.permute(tl.reshape(x, (BLOCK_R, D >> (s + 1), 2, 1 << s)), (0, 1, 3, 2))
         a, b = tl.split(pairs)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BLOCK_R, D))
     return x
