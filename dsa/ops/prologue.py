@@ -15,6 +15,8 @@ times the dtype's rounding of ``D**-0.5``, in that order on every face.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -60,6 +62,7 @@ def check_rope(op: str, x: Tensor, cos_sin: Tensor, positions: Tensor, hadamard:
                          f"{head_dim}")
 
 
+@functools.cache
 def hadamard_scale(head_dim: int, dtype: torch.dtype) -> float:
     """``head_dim**-0.5`` rounded to ``dtype``: the entries of the orthonormal Hadamard
     matrix in the layer's dtype."""
