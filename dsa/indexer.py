@@ -17,7 +17,7 @@ from dsa.config import IndexerConfig
 from dsa.meta.decode import DecodeMetadata
 from dsa.meta.prefill import PrefillMetadata
 from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor
-from dsa.rope import YarnScaling, neox_rope, rope_scaling_from_hf, rope_table
+from dsa.rope import YarnScaling, rope_scaling_from_hf, rope_table
 
 ops = torch.ops.dsa
 
@@ -45,8 +45,9 @@ class Indexer(nn.Module):
     ``wq_b`` on the q latent and ``wk`` + LayerNorm on the hidden state give q ``[T, H, D]``
     and k ``[T, D]``; NeoX RoPE rotates their first ``rope_dim`` dims, an optional Hadamard
     rotation mixes all D, then q is quantised per (token, head) and k is written to the fp8
-    paged cache (a buffer of this module). As in DeepSeek's reference, ``k_norm`` and
-    ``weights_proj`` (which gives the head weights) keep fp32 parameters and compute in fp32.
+    paged cache (a buffer of this module): one fused op each for q and k (design §2). As in
+    DeepSeek's reference, ``k_norm`` and ``weights_proj`` (which gives the head weights) keep
+    fp32 parameters and compute in fp32.
     ``rope_scaling``: YaRN for the RoPE table, ``None`` for plain RoPE.
 
     The K cache has ``cfg.num_blocks`` blocks (required): metadata built from a config with
@@ -95,9 +96,10 @@ class Indexer(nn.Module):
             rope_table(cfg.max_model_len, rope_dim, rope_theta, rope_scaling, device),
             persistent=False,
         )
-        self.register_buffer(
-            "hadamard", _hadamard(dim, device, dtype) if hadamard else None, persistent=False
-        )
+        if hadamard and dim & (dim - 1):
+            raise ValueError(f"Indexer: the Hadamard rotation needs a power-of-two head_dim, "
+                             f"got {dim}")
+        self.hadamard = hadamard
         self.register_buffer(
             "kv_cache",
             torch.zeros(cfg.num_blocks, cfg.block_size, 1, dim + 4, dtype=torch.uint8,
@@ -184,12 +186,13 @@ class Indexer(nn.Module):
         """
         cfg = self.cfg
         self._check_inputs(hidden, q_latent, positions, meta)
-        # A position outside [0, max_model_len) must not index past the RoPE table; such a
-        # token writes no K and selects nothing (meta.valid_tokens).
-        rope_positions = positions.long().clamp(0, cfg.max_model_len - 1)
-        q, k, weights = self._project(hidden, q_latent, rope_positions)
-        ops.quantize_and_cache_k(k, self.kv_cache, meta.slot_mapping, ue8m0=cfg.ue8m0_scales)
-        q_fp8, head_weights = ops.quantize_q(q, weights, ue8m0=cfg.ue8m0_scales)
+        q, k, weights = self._project(hidden, q_latent)
+        # RoPE, Hadamard, quantisation (and the K write): one launch each. The ops clamp a
+        # position outside [0, max_model_len) into the RoPE table; such a token writes no K
+        # and selects nothing (meta.valid_tokens).
+        rotation = (self.rope_cos_sin, positions, self.hadamard, cfg.ue8m0_scales)
+        ops.rope_hadamard_quantize_and_cache_k(k, self.kv_cache, meta.slot_mapping, *rotation)
+        q_fp8, head_weights = ops.rope_hadamard_quantize_q(q, weights, *rotation)
         if isinstance(meta, DecodeMetadata):
             indices = self._decode_topk(q_fp8, head_weights, meta)
         else:
@@ -219,16 +222,11 @@ class Indexer(nn.Module):
         for name, x in (("hidden", hidden), ("q_latent", q_latent), ("positions", positions)):
             check_size(op, name, x, 0, tokens, "the metadata's tokens")
 
-    def _project(self, hidden: Tensor, q_latent: Tensor, positions: Tensor
-                 ) -> tuple[Tensor, Tensor, Tensor]:
+    def _project(self, hidden: Tensor, q_latent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q ``[T, H, D]``, k ``[T, D]`` (normed) and the head weights, before RoPE."""
         q = rearrange(self.wq_b(q_latent), "t (h d) -> t h d", d=self.cfg.head_dim)
         k = self.wk(hidden)
         k = self.k_norm(k.float()).to(k.dtype)
-        cos_sin = self.rope_cos_sin[positions.long()]
-        q = neox_rope(q, cos_sin.unsqueeze(1), self.rope_dim)
-        k = neox_rope(k, cos_sin, self.rope_dim)
-        if self.hadamard is not None:
-            q, k = q @ self.hadamard, k @ self.hadamard
         return q, k, F.linear(hidden.float(), self.weights_proj.weight.float())
 
     def _decode_topk(self, q_fp8: Tensor, head_weights: Tensor, meta: DecodeMetadata) -> Tensor:
@@ -273,17 +271,6 @@ class Indexer(nn.Module):
             lens = (chunk.ke - chunk.ks).clamp(0, chunk.max_seqlen_k)
             indices[span] = ops.topk_indices(logits, lens, cfg.topk)
         return indices
-
-
-def _hadamard(dim: int, device, dtype: torch.dtype) -> Tensor:
-    """The orthonormal Sylvester-Hadamard matrix of order ``dim`` (a power of two)."""
-    if dim & (dim - 1):
-        raise ValueError(f"Indexer: the Hadamard rotation needs a power-of-two head_dim, "
-                         f"got {dim}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < dim:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h * dim**-0.5).to(device=device, dtype=dtype)
 
 
 def _checkpoint_weight(own: Mapping[str, Tensor], prefix: str, name: str, param: Tensor

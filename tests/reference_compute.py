@@ -111,6 +111,50 @@ def check_nonfinite_codes(x: torch.Tensor, codes: np.ndarray, scales: np.ndarray
     assert (codes[np.isnan(x)] == 0x00).all()
 
 
+# --- the q/k prologue (design §2, "Prologue") ------------------------------------------------
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 ``x`` rounded to ``dtype`` ("float32", "float16" or "bfloat16"; nearest even)
+    and back to float32; bf16 from the fp32 bits."""
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype != "bfloat16":
+        return x
+    bits = x.view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    return np.where(np.isnan(x), x, bits.view(np.float32))
+
+
+def rope_hadamard_row(x: np.ndarray, cos_sin: np.ndarray, hadamard: bool, dtype: str
+                      ) -> np.ndarray:
+    """One row (values of ``dtype``) after NeoX RoPE with the fp32 ``cos_sin`` row and the
+    Hadamard rotation, one fp32 operation at a time in design §2's order."""
+    f32 = np.float32
+    x = np.asarray(x, dtype=f32).copy()
+    half = cos_sin.shape[0] // 2
+    out = x.copy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        for i in range(half):
+            cos, sin = f32(cos_sin[i]), f32(cos_sin[half + i])
+            out[i] = f32(x[i] * cos) - f32(x[half + i] * sin)
+            out[half + i] = f32(x[half + i] * cos) + f32(x[i] * sin)
+        x = round_to(out, dtype)
+        if not hadamard:
+            return x
+        dim = x.shape[0]
+        stride = 1
+        while stride < dim:
+            y = x.copy()
+            for i in range(dim):
+                if not i & stride:
+                    y[i], y[i + stride] = x[i] + x[i + stride], x[i] - x[i + stride]
+            x, stride = y, 2 * stride
+        scale = round_to(np.array([dim**-0.5]), dtype)[0]
+        return round_to(x * scale, dtype)
+
+
 # --- the paged K cache (design §2) -----------------------------------------------------------
 
 

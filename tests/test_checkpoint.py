@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import dsa
+from dsa.ops.prologue import rope_hadamard
 from tests import reference_compute as ref
 from tests.test_rope import V32_ROPE_SCALING, spec_table
 
@@ -121,7 +122,9 @@ def test_projections_match_the_model(dtype, tol):
     torch.manual_seed(1)
     hidden, q_latent = torch.randn(12, HIDDEN).to(dtype), torch.randn(12, Q_LORA).to(dtype)
     positions = torch.tensor([0, 1, 63, 1000, 4095, 4096, 4097, 5000, 6144, 7000, 8000, 8191])
-    q, k, weights = layer._project(hidden, q_latent, positions)
+    q, k, weights = layer._project(hidden, q_latent)
+    rotation = (layer.rope_cos_sin, positions, layer.hadamard)  # the fused ops' torch face
+    q, k = rope_hadamard(q, *rotation), rope_hadamard(k, *rotation)
     want_q, want_k, want_w = reference_projection(state, 13, hidden, q_latent, positions)
     assert relative(q, want_q) < tol and relative(k, want_k) < tol
     assert weights.dtype == torch.float32  # fp32 weights_proj, whatever the layer's dtype

@@ -14,14 +14,16 @@ from hypothesis import strategies as st
 from dsa.ops.kcache import kcache_views
 
 
-def write_cache(face, k, cache, slots, ue8m0=False):
-    """The cache write on ``face``; the CPU ``cache`` holds the result either way."""
+def write_cache(face, k, cache, slots, *args, op="quantize_and_cache_k"):
+    """Cache write ``op(k, cache, slots, *args)`` on ``face``; the CPU ``cache`` holds the
+    result either way."""
     if face == "kernel" and HAS_CUDA:
         on_gpu = cache.cuda()
-        torch.ops.dsa.quantize_and_cache_k(k.cuda(), on_gpu, slots.cuda(), ue8m0)
+        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        getattr(torch.ops.dsa, op)(k.cuda(), on_gpu, slots.cuda(), *args)
         cache.copy_(on_gpu.cpu())
     else:
-        run_op(face, "quantize_and_cache_k", k, cache, slots, ue8m0)
+        run_op(face, op, k, cache, slots, *args)
 
 
 def random_cache(gen, num_blocks, block_size, head_dim):

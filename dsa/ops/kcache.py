@@ -5,11 +5,14 @@ block is not interleaved per token: it holds ``block_size * D`` fp8 e4m3 value b
 (token-major), then ``block_size`` fp32 scales. :func:`kcache_views` returns both parts as
 views; everything that reads or writes the cache goes through that layout.
 
-Ops: ``dsa::quantize_and_cache_k`` (the only op that mutates an argument) and
+Ops: ``dsa::quantize_and_cache_k`` (mutates the cache, as the fused prologue's k op in
+``prologue.py`` does, through this module's ``write_k_rows`` / ``store_k_rows``) and
 ``dsa::gather_k`` (a prefill chunk's K into a contiguous workspace).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -69,10 +72,9 @@ def padded_block_table(block_table: Tensor) -> Tensor:
 # --- quantize_and_cache_k ------------------------------------------------------------------
 
 
-@dsa_op("quantize_and_cache_k", mutates_args=("kv_cache",))
-def _check_cache_write(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
-                       ue8m0: bool = False) -> None:
-    op = "quantize_and_cache_k"
+def check_k_write(op: str, k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                  ue8m0: bool) -> None:
+    """k ``[T, D]`` (float, any strides) for a ``kv_cache`` of head_dim D, int64 slots ``[T]``."""
     check_tensor(op, "k", k, dtype=FLOAT_DTYPES, ndim=2)
     _, _, head_dim = check_kv_cache(op, kv_cache, like=k)
     check_size(op, "k", k, 1, head_dim, "head_dim = kv_cache.shape[3] - 4")
@@ -82,10 +84,15 @@ def _check_cache_write(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
         raise TypeError(f"dsa.{op}: `ue8m0` must be a bool, got {type(ue8m0).__name__}")
 
 
-@_check_cache_write.cpu
-def _quantize_and_cache_k_cpu(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
-                              ue8m0: bool = False) -> None:
-    _check_cache_write(k, kv_cache, slot_mapping, ue8m0)
+@dsa_op("quantize_and_cache_k", mutates_args=("kv_cache",))
+def _check_cache_write(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                       ue8m0: bool = False) -> None:
+    check_k_write("quantize_and_cache_k", k, kv_cache, slot_mapping, ue8m0)
+
+
+def write_k_rows(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, ue8m0: bool) -> None:
+    """Torch face of the cache write: quantises ``k`` and writes token t at
+    ``slot_mapping[t]``; slots outside the cache write nothing (design §2)."""
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
@@ -108,6 +115,38 @@ def _quantize_and_cache_k_cpu(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
     scales.index_put_((blk, off), new_scales)
 
 
+@_check_cache_write.cpu
+def _quantize_and_cache_k_cpu(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                              ue8m0: bool = False) -> None:
+    _check_cache_write(k, kv_cache, slot_mapping, ue8m0)
+    write_k_rows(k, kv_cache, slot_mapping, ue8m0)
+
+
+@triton.jit
+def store_k_rows(x, slot, ok, value_ptr, scale_ptr, VALUE_STRIDE: tl.constexpr,
+                 SCALE_STRIDE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr, UE8M0: tl.constexpr):
+    """Quantises fp32 ``x`` ``[BLOCK_T, BLOCK_D]`` (zero past ``D`` and where not ``ok``)
+    and writes the ``ok`` rows to their cache slots."""
+    d = tl.arange(0, BLOCK_D)
+    x = nan_to_num(x)
+    scale = fp8_scale_of(tl.max(tl.abs(x), axis=1), UE8M0)
+    slot = tl.where(ok, slot, 0)
+    blk = slot // BS
+    off = slot % BS
+    dst = blk * VALUE_STRIDE + off * D
+    tl.store(value_ptr + dst[:, None] + d[None, :], fp8_e4m3_bits(tl.div_rn(x, scale[:, None])),
+             mask=ok[:, None] & (d < D)[None, :])
+    tl.store(scale_ptr + blk * SCALE_STRIDE + off, scale, mask=ok)
+
+
+@triton.jit
+def load_slots(slot_ptr, tok, num_tokens, num_slots):
+    """(slots, whether each writes): ``tok``'s slots, inside ``[0, num_slots)``."""
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1)
+    return slot, (slot >= 0) & (slot < num_slots)
+
+
 @triton.jit
 def _cache_write_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, value_ptr, scale_ptr, num_tokens,
                         num_slots, VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
@@ -115,37 +154,40 @@ def _cache_write_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, value_ptr, scale_
                         BLOCK_T: tl.constexpr, UE8M0: tl.constexpr):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, BLOCK_D)
-    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1)
-    ok = (slot >= 0) & (slot < num_slots)
+    slot, ok = load_slots(slot_ptr, tok, num_tokens, num_slots)
     mask = ok[:, None] & (d < D)[None, :]
-    x = nan_to_num(tl.load(k_ptr + tok.to(tl.int64)[:, None] * k_stride0
-                               + d[None, :] * k_stride1, mask=mask, other=0.0).to(tl.float32))
-    scale = fp8_scale_of(tl.max(tl.abs(x), axis=1), UE8M0)
-    slot = tl.where(ok, slot, 0)
-    blk = slot // BS
-    off = slot % BS
-    dst = blk * VALUE_STRIDE + off * D
-    tl.store(value_ptr + dst[:, None] + d[None, :], fp8_e4m3_bits(tl.div_rn(x, scale[:, None])),
-             mask=mask)
-    tl.store(scale_ptr + blk * SCALE_STRIDE + off, scale, mask=ok)
+    x = tl.load(k_ptr + tok.to(tl.int64)[:, None] * k_stride0 + d[None, :] * k_stride1,
+                mask=mask, other=0.0)
+    store_k_rows(x.to(tl.float32), slot, ok, value_ptr, scale_ptr, VALUE_STRIDE=VALUE_STRIDE,
+                 SCALE_STRIDE=SCALE_STRIDE, BS=BS, D=D, BLOCK_D=BLOCK_D, UE8M0=UE8M0)
 
 
-@_check_cache_write.cuda
-def _quantize_and_cache_k_cuda(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
-                               ue8m0: bool = False) -> None:
-    _check_cache_write(k, kv_cache, slot_mapping, ue8m0)
+def launch_k_rows(kernel: Any, k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, *args: Any,
+                  block_t: int | None = None, **constexprs: Any) -> None:
+    """Launches a kernel writing k rows to the cache with ``store_k_rows``: ``kernel(k,
+    k strides, slots, value bytes, scales, num_tokens, num_slots, *args)`` with the
+    layout's, the block's and ``constexprs``; ``block_t`` tokens a program (default: 16 of
+    D = 128). Nothing with no tokens."""
     num_tokens, head_dim = k.shape
     if num_tokens == 0:
         return
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
     block_d = triton.next_power_of_2(head_dim)
-    block_t = max(1, min(16, 2048 // block_d))
-    _cache_write_kernel[(triton.cdiv(num_tokens, block_t),)](
+    block_t = block_t or max(1, min(16, 2048 // block_d))
+    kernel[(triton.cdiv(num_tokens, block_t),)](
         k, k.stride(0), k.stride(1), slot_mapping, values.view(torch.uint8), scales, num_tokens,
-        num_blocks * block_size, VALUE_STRIDE=values.stride(0), SCALE_STRIDE=scales.stride(0),
-        BS=block_size, D=head_dim, BLOCK_D=block_d, BLOCK_T=block_t, UE8M0=ue8m0,
+        num_blocks * block_size, *args, VALUE_STRIDE=values.stride(0),
+        SCALE_STRIDE=scales.stride(0), BS=block_size, D=head_dim, BLOCK_D=block_d,
+        BLOCK_T=block_t, **constexprs,
     )
+
+
+@_check_cache_write.cuda
+def _quantize_and_cache_k_cuda(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                               ue8m0: bool = False) -> None:
+    _check_cache_write(k, kv_cache, slot_mapping, ue8m0)
+    launch_k_rows(_cache_write_kernel, k, kv_cache, slot_mapping, UE8M0=ue8m0)
 
 
 # --- gather_k ------------------------------------------------------------------------------

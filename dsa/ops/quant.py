@@ -101,12 +101,24 @@ def fp8_e4m3_bits(x):
     return (code | (sign << 7)).to(tl.uint8)
 
 
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """fp32 ``x`` rounded to ``dtype`` (nearest even) and back to fp32. bf16 rounds on the
+    bits: the interpreter's bf16 cast truncates."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        x = tl.where(x == x, rounded, x)
+    elif dtype != tl.float32:
+        x = x.to(dtype).to(tl.float32)
+    return x
+
+
 # --- quantize_q ----------------------------------------------------------------------------
 
 
-@dsa_op("quantize_q")
-def _quantize_q_out(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
-    op = "quantize_q"
+def check_q(op: str, q: Tensor, weights: Tensor) -> None:
+    """q ``[T, H, D]`` contiguous and its head weights ``[T, H]``, float dtypes."""
     check_tensor(op, "q", q, dtype=FLOAT_DTYPES, ndim=3, contiguous=True)
     check_tensor(op, "weights", weights, dtype=FLOAT_DTYPES, ndim=2, like=q)
     num_tokens, num_heads, head_dim = q.shape
@@ -114,22 +126,55 @@ def _quantize_q_out(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[Te
     check_size(op, "weights", weights, 1, num_heads, "num_heads = q.shape[1]")
     if head_dim < 1:
         raise ValueError(f"dsa.{op}: `q` must have head_dim >= 1, got shape {tuple(q.shape)}")
+
+
+def empty_q_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
+    """(fp8 q like ``q``, fp32 head weights ``[T, H]``), uninitialised."""
     q_fp8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
-    head_weights = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    head_weights = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     return q_fp8, head_weights
 
 
-def _weight_scale(num_heads: int, head_dim: int) -> float:
+@dsa_op("quantize_q")
+def _quantize_q_out(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+    check_q("quantize_q", q, weights)
+    return empty_q_outputs(q)
+
+
+def weight_scale(num_heads: int, head_dim: int) -> float:
+    """The constant folded into the head weights with the q scale (design §3)."""
     return num_heads**-0.5 * head_dim**-0.5
+
+
+def quantize_heads_into(q_fp8: Tensor, head_weights: Tensor, q: Tensor, weights: Tensor,
+                        ue8m0: bool) -> tuple[Tensor, Tensor]:
+    """Torch face of the q quantisation: writes ``q``'s codes and its head weights (design
+    §3) into the outputs and returns them."""
+    values, scale = quantize_rows(q, ue8m0)
+    q_fp8.copy_(values)
+    head_weights.copy_(weights.float() * weight_scale(*q.shape[1:]) * scale)
+    return q_fp8, head_weights
 
 
 @_quantize_q_out.cpu
 def _quantize_q_cpu(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
-    q_fp8, head_weights = _quantize_q_out(q, weights, ue8m0)
-    values, scale = quantize_rows(q, ue8m0)
-    q_fp8.copy_(values)
-    head_weights.copy_(weights.float() * _weight_scale(*q.shape[1:]) * scale)
-    return q_fp8, head_weights
+    return quantize_heads_into(*_quantize_q_out(q, weights, ue8m0), q, weights, ue8m0)
+
+
+@triton.jit
+def store_q_rows(x, rows, num_rows, w_ptr, w_stride0, w_stride1, out_ptr, hw_ptr, w_scale,
+                 H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, UE8M0: tl.constexpr):
+    """Quantises fp32 ``x`` ``[BLOCK_R, BLOCK_D]`` (rows ``rows`` of the flat ``[T * H]``
+    heads, zero past ``D`` and ``num_rows``): stores the codes and the head weights."""
+    d = tl.arange(0, BLOCK_D)
+    row_ok = rows < num_rows
+    x = nan_to_num(x)
+    scale = fp8_scale_of(tl.max(tl.abs(x), axis=1), UE8M0)
+    offs = rows.to(tl.int64)[:, None] * D + d[None, :]
+    tl.store(out_ptr + offs, fp8_e4m3_bits(tl.div_rn(x, scale[:, None])),
+             mask=row_ok[:, None] & (d < D)[None, :])
+    w = tl.load(w_ptr + (rows // H) * w_stride0 + (rows % H) * w_stride1, mask=row_ok, other=0.0)
+    tl.store(hw_ptr + rows, w.to(tl.float32) * w_scale * scale, mask=row_ok)
 
 
 @triton.jit
@@ -138,16 +183,10 @@ def _quantize_q_kernel(q_ptr, w_ptr, w_stride0, w_stride1, out_ptr, hw_ptr, num_
                        BLOCK_R: tl.constexpr, UE8M0: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
-    row_ok = rows < num_rows
-    mask = row_ok[:, None] & (d < D)[None, :]
-    offs = rows.to(tl.int64)[:, None] * D + d[None, :]
-    x = nan_to_num(tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32))
-    scale = fp8_scale_of(tl.max(tl.abs(x), axis=1), UE8M0)
-    tl.store(out_ptr + offs, fp8_e4m3_bits(tl.div_rn(x, scale[:, None])), mask=mask)
-    tok = rows // H
-    head = rows % H
-    w = tl.load(w_ptr + tok * w_stride0 + head * w_stride1, mask=row_ok, other=0.0)
-    tl.store(hw_ptr + rows, w.to(tl.float32) * w_scale * scale, mask=row_ok)
+    mask = (rows < num_rows)[:, None] & (d < D)[None, :]
+    x = tl.load(q_ptr + rows.to(tl.int64)[:, None] * D + d[None, :], mask=mask, other=0.0)
+    store_q_rows(x.to(tl.float32), rows, num_rows, w_ptr, w_stride0, w_stride1, out_ptr, hw_ptr,
+                 w_scale, H=H, D=D, BLOCK_D=BLOCK_D, UE8M0=UE8M0)
 
 
 @_quantize_q_out.cuda
@@ -160,7 +199,7 @@ def _quantize_q_cuda(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[T
         block_r = max(1, min(64, 4096 // block_d))
         _quantize_q_kernel[(triton.cdiv(num_rows, block_r),)](
             q, weights, weights.stride(0), weights.stride(1), q_fp8.view(torch.uint8),
-            head_weights, num_rows, _weight_scale(num_heads, head_dim),
+            head_weights, num_rows, weight_scale(num_heads, head_dim),
             H=num_heads, D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, UE8M0=ue8m0,
         )
     return q_fp8, head_weights
