@@ -26,6 +26,8 @@ host sync, no atomic and no data-dependent size: the op captures in a CUDA graph
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -48,6 +50,7 @@ from dsa.ops.topk.select import (
     tile,
     write_all,
 )
+from dsa.ops.topk.slots import _indices_to_slots_cpu, check_slot_args, request_row, slot_of
 
 # --- validation, CPU face ----------------------------------------------------------------
 
@@ -61,10 +64,9 @@ def _check_rows(op: str, name: str, t: Tensor, logits: Tensor) -> None:
         )
 
 
-@dsa_op("topk_indices")
-def _topk_out(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None) -> Tensor:
-    op = "topk_indices"
-    check_tensor(op, "logits", logits, dtype=torch.float32, ndim=2)
+def _check_topk(op: str, logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None
+                ) -> Tensor:
+    check_tensor(op, "logits", logits, dtype=LOGITS_DTYPES, ndim=2)
     if logits.shape[1] > 1 and logits.stride(1) != 1:
         raise ValueError(
             f"dsa.{op}: `logits` must have unit column stride (stride(1) == 1), "
@@ -77,9 +79,28 @@ def _topk_out(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = N
     return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
 
 
+LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dsa_op("topk_indices")
+def _topk_out(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None) -> Tensor:
+    return _check_topk("topk_indices", logits, lengths, k, starts)
+
+
+@dsa_op("topk_indices_and_slots")
+def _topk_slots_out(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
+                    row_requests: Tensor, block_size: int, num_blocks: int,
+                    starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    op = "topk_indices_and_slots"
+    out = _check_topk(op, logits, lengths, k, starts)
+    check_slot_args(op, block_table, row_requests, logits.shape[0], logits, block_size,
+                    num_blocks)
+    return out, torch.empty_like(out)
+
+
 def order_keys(x: Tensor) -> Tensor:
-    """int32 keys of fp32 ``x`` whose signed order is the float order (-0 < +0)."""
-    bits = x.view(torch.int32)
+    """int32 keys of fp32 or bf16 ``x`` whose signed order is the float order (-0 < +0)."""
+    bits = x.float().view(torch.int32)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
@@ -102,6 +123,16 @@ def _topk_cpu(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = N
         slot = torch.arange(width)
         out[:, :width] = torch.where(slot < count[:, None], picked - start[:, None], -1)
     return out
+
+
+@_topk_slots_out.cpu
+def _topk_slots_cpu(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
+                    row_requests: Tensor, block_size: int, num_blocks: int,
+                    starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    _topk_slots_out(logits, lengths, k, block_table, row_requests, block_size, num_blocks,
+                    starts)
+    out = _topk_cpu(logits, lengths, k, starts)
+    return out, _indices_to_slots_cpu(out, block_table, row_requests, block_size, num_blocks)
 
 
 @triton.jit
@@ -157,12 +188,14 @@ def _candidates_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr
 
 @triton.jit
 def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, count_ptr,
-                   out_ptr, n_cols, k, HAS_STARTS: tl.constexpr, PARTS: tl.constexpr,
+                   out_ptr, slots_ptr, table_ptr, table_stride, req_ptr, num_reqs, width,
+                   num_blocks, n_cols, k, HAS_STARTS: tl.constexpr, PARTS: tl.constexpr,
                    CAP: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
-                   FINISH_BLOCK: tl.constexpr):
+                   FINISH_BLOCK: tl.constexpr, SLOTS: tl.constexpr, BS: tl.constexpr):
     """Program per row: ``valid <= k``: all; ``valid <= CAP``: the row read whole into
     registers; else the parts' candidates, or the streamed search when they are not
-    usable (fewer than k, or more than CAP)."""
+    usable (fewer than k, or more than CAP). With SLOTS, the row's indices are then read
+    back and written as cache slots (``indices_to_slots`` of the row)."""
     row = tl.program_id(0)
     lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -188,6 +221,16 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
                           out_row, CAP)
         else:
             select_streamed(row_ptr, out_row, k, lo, hi, off, BLOCK, C)
+    if SLOTS:
+        tl.debug_barrier()  # the row's indices, scattered by every thread, are in memory
+        table_row, req_ok = request_row(table_ptr, table_stride, tl.load(req_ptr + row),
+                                        num_reqs)
+        slot_row = slots_ptr + row.to(tl.int64) * k
+        for c in range(0, k, FINISH_BLOCK):
+            i = c + tl.arange(0, FINISH_BLOCK)
+            idx = tl.load(out_row + i, mask=i < k, other=-1)
+            tl.store(slot_row + i, slot_of(idx, table_row, req_ok, width, num_blocks, BS),
+                     mask=i < k)
 
 
 # --- launch ------------------------------------------------------------------------------
@@ -228,14 +271,27 @@ def _power_of_two(**values: int) -> None:
             raise ValueError(f"launch_topk: `{name}` must be a power of two, got {value}")
 
 
+class SlotArgs(NamedTuple):
+    """What the slot transform needs (``indices_to_slots`` without the indices) and where
+    its output goes."""
+
+    out: Tensor
+    block_table: Tensor
+    row_requests: Tensor
+    block_size: int
+    num_blocks: int
+
+
 def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None, *,
-                out: Tensor | None = None, parts: int | None = None, block: int = 4096,
-                select_cap: int | None = None, row_cols: int = 8192,
+                out: Tensor | None = None, slots: SlotArgs | None = None,
+                parts: int | None = None, block: int = 4096, select_cap: int | None = None,
+                row_cols: int = 8192,
                 sample_groups: int = 1024, sample_width: int = 4, margin: float = 4.0,
                 num_warps: int = 8, select_warps: int | None = None,
                 target_programs: int = 256, min_part_cols: int = 4096,
                 finish_block: int = 1024) -> Tensor:
-    """Runs the Triton top-k (arguments already validated) into ``out`` and returns it.
+    """Runs the Triton top-k (arguments already validated) into ``out`` and returns it;
+    with ``slots``, also writes the selection's cache slots into ``slots.out``.
 
     parts: programs per row of the candidates pass (power of two; None =
         :func:`choose_parts` with ``target_programs`` and ``min_part_cols``).
@@ -277,10 +333,18 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
             G=sample_groups, W=sample_width, CAP=select_cap, BLOCK=block,
             C=min(block, 128 * num_warps), num_warps=num_warps, **flags,
         )
+    if slots is None:  # placeholders, never read
+        slot_args = (out, lengths, 0, lengths, 0, 0, 0)
+        slot_flags = dict(SLOTS=False, BS=1)
+    else:
+        table = slots.block_table
+        slot_args = (slots.out, table, table.stride(0), slots.row_requests, *table.shape,
+                     slots.num_blocks)
+        slot_flags = dict(SLOTS=True, BS=slots.block_size)
     _select_kernel[(rows,)](
-        *head, cand, counts, out, n_cols, k, PARTS=parts, CAP=select_cap,
+        *head, cand, counts, out, *slot_args, n_cols, k, PARTS=parts, CAP=select_cap,
         C=min(select_cap, block, 128 * select_warps), BLOCK=block, FINISH_BLOCK=finish_block,
-        num_warps=select_warps, **flags,
+        num_warps=select_warps, **flags, **slot_flags,
     )
     return out
 
@@ -289,3 +353,14 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
 def _topk_cuda(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None) -> Tensor:
     out = _topk_out(logits, lengths, k, starts)
     return launch_topk(logits, lengths, k, starts, out=out)
+
+
+@_topk_slots_out.cuda
+def _topk_slots_cuda(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
+                     row_requests: Tensor, block_size: int, num_blocks: int,
+                     starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    out, slots = _topk_slots_out(logits, lengths, k, block_table, row_requests, block_size,
+                                 num_blocks, starts)
+    launch_topk(logits, lengths, k, starts, out=out,
+                slots=SlotArgs(slots, block_table, row_requests, block_size, num_blocks))
+    return out, slots

@@ -17,8 +17,9 @@ INT_MAX = tl.constexpr(2**31 - 1)
 
 @triton.jit
 def order_key(x):
-    """fp32 -> int32 key with the same order (its own inverse on the bits)."""
-    b = x.to(tl.int32, bitcast=True)
+    """fp32 or bf16 -> int32 key with the same order (from the fp32 bits, where the map is
+    its own inverse)."""
+    b = x.to(tl.float32).to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) & 0x7FFFFFFF)
 
 
