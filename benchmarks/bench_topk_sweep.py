@@ -1,6 +1,6 @@
 """Top-k on the GPU: ``topk_indices``, ``topk_indices_and_slots`` and masked ``torch.topk``.
 
-    python benchmarks/bench_topk_sweep.py [--quick] [--variant NAME:K=V,...]
+    python benchmarks/bench_topk_sweep.py [--quick] [--variant NAME:K=V,...] [--out FILE]
 
 For each (rows, L) of ``SHAPES`` (k = 2048), both length patterns (all L, ~U[L/2, L]) and
 both logits dtypes (fp32, bf16), logits are a ``[rows, L]`` view of a 256-aligned buffer
@@ -35,7 +35,7 @@ import triton
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _report import markdown_table  # noqa: E402
+from _report import markdown_table, publish, report  # noqa: E402
 from test_topk import check_topk  # noqa: E402
 
 from dsa.ops.topk.indices import TUNING, SlotArgs, choose_parts, launch_topk  # noqa: E402
@@ -167,6 +167,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"only variants {QUICK}")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,...",
                         help="an extra variant, e.g. 'w4:num_warps=4,block=2048'")
+    parser.add_argument("--out", help="append the report to this markdown file "
+                        "(e.g. BENCHMARKS.md)")
     args = parser.parse_args()
     names = list(QUICK if args.quick else VARIANTS)
     for spec in args.variant:
@@ -193,16 +195,18 @@ def main() -> None:
             cells += bench_variant(rows, n, VARIANTS[name])
         variants.append([name, ", ".join(f"{k}={v}" for k, v in VARIANTS[name].items()) or "-",
                          *cells])
-    print(f"\nk={TOPK}, block_size={BLOCK_SIZE}, {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}, triton {triton.__version__}; µs per call from CUDA-graph "
-          "replays (warm: logits in L2; flushed: L2 cleared before the call)")
-    print(f"TUNING: {dataclasses.asdict(TUNING)}; candidates programs per row: "
-          + ", ".join(f"{rows}x{n}: {default_parts(rows, n)}" for rows, n in SHAPES) + "\n")
-    print(markdown_table(header, table))
-    print("\nVariants (fused op, fp32, all lengths; warm / flushed µs):\n")
-    print(markdown_table(["variant", "TUNING changes",
-                          *(f"{rows}x{n} {mode}" for rows, n in SHAPES
-                            for mode in ("warm", "flushed"))], variants))
+    notes = (f"k={TOPK}, block_size={BLOCK_SIZE}; µs per call from CUDA-graph replays "
+             "(warm: logits in L2, (T(11 calls) - T(1)) / 10; flushed: one call after L2 is "
+             f"cleared); TUNING: {dataclasses.asdict(TUNING)}; candidates programs per row: "
+             + ", ".join(f"{rows}x{n}: {default_parts(rows, n)}" for rows, n in SHAPES))
+    variant_table = markdown_table(
+        ["variant", "TUNING changes",
+         *(f"{rows}x{n} {mode}" for rows, n in SHAPES for mode in ("warm", "flushed"))],
+        variants)
+    command = "python benchmarks/bench_topk_sweep.py" + (" --quick" if args.quick else "")
+    publish(report("Top-k: topk_indices, topk_indices_and_slots, masked torch.topk", command,
+                   markdown_table(header, table) + "\n\nVariants (fused op, fp32, all "
+                   "lengths; warm / flushed µs):\n\n" + variant_table, notes), args.out)
 
 
 if __name__ == "__main__":

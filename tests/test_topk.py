@@ -476,3 +476,36 @@ def test_gpu_cuda_graph_replay(rows, n):
         graph.replay()
         torch.cuda.synchronize()
         check_topk(logits, lengths, 2048, None, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "n"), [(1, 4096), (64, 65536), (128, 32768), (256, 8192)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_slots_and_bf16(rows, n, dtype):
+    """The fused op at the benchmark shapes: the top-k of the (bf16) values, and exactly
+    ``indices_to_slots`` of its indices; eager and replayed from a CUDA graph."""
+    logits, lengths = gpu_case(rows, n, seed=rows + 7)
+    logits = logits.to(dtype)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    width = n // 64
+    table = torch.randint(-1, rows * width, (rows, width), device="cuda", generator=gen,
+                          dtype=torch.int32)
+    requests = torch.randint(-1, rows + 1, (rows,), device="cuda", generator=gen,
+                             dtype=torch.int32)
+    args = (logits, lengths, 2048, table, requests, 64, rows * width - 5)
+
+    def check(out, slots):
+        check_topk(logits.float(), lengths, 2048, None, out)
+        assert torch.equal(slots, torch.ops.dsa.indices_to_slots(out, *args[3:]))
+
+    check(*torch.ops.dsa.topk_indices_and_slots(*args))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, slots = torch.ops.dsa.topk_indices_and_slots(*args)
+    new_logits, new_lengths = gpu_case(rows, n, seed=rows + 8)
+    logits.copy_(new_logits)
+    lengths.copy_(new_lengths)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, slots)
