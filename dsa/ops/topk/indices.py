@@ -213,6 +213,9 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
     j = tile(CAP // C, C)
     if PRELOAD:  # n_cols <= CAP and no starts: the row's load need not wait for its length
         whole = tl.load(row_ptr + j, mask=j < n_cols, other=0.0)
+    if SLOTS:  # the row's request, read while the row is selected
+        table_row, req_ok = request_row(table_ptr, table_stride, tl.load(req_ptr + row),
+                                        num_reqs)
     lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
     out_row = out_ptr + row.to(tl.int64) * k
     if hi - lo <= k:
@@ -240,8 +243,6 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
             select_streamed(row_ptr, out_row, k, lo, hi, off, BLOCK, C)
     if SLOTS:
         tl.debug_barrier()  # the row's indices, scattered by every thread, are in memory
-        table_row, req_ok = request_row(table_ptr, table_stride, tl.load(req_ptr + row),
-                                        num_reqs)
         slot_row = slots_ptr + row.to(tl.int64) * k
         for c in range(0, k, FINISH_BLOCK):
             i = c + tl.arange(0, FINISH_BLOCK)
