@@ -1,22 +1,29 @@
-"""Top-k launch sweep on the GPU: dsa's Triton top-k variants against masked torch.topk.
+"""Top-k on the GPU: ``topk_indices``, ``topk_indices_and_slots`` and masked ``torch.topk``.
 
-    python benchmarks/bench_topk_sweep.py [--quick] [--data positive] [--variant NAME:K=V,...]
+    python benchmarks/bench_topk_sweep.py [--quick] [--variant NAME:K=V,...] [--out FILE]
 
-For each (B, next_n, L) (rows = B * next_n, k = 2048) and two length patterns (~U[L/2, L]
-and all L), logits are a ``[rows, L]`` view of a 256-aligned buffer with junk (NaN, inf,
-huge values) past each row's length, as DeepGEMM leaves them. Every variant of
-:func:`dsa.ops.topk.indices.launch_topk` is checked with the test suite's top-k checker, then timed
-with ``triton.testing.do_bench`` (median, µs, eager launches: includes host launch cost when
-it exceeds the device time); the baseline is ``torch.topk`` on the logits with invalid
-columns set to -inf. Then ``torch.ops.dsa.topk_indices`` itself (the default variant
-behind the dispatcher), and the ``GRAPHED`` variants and the baseline replayed from a CUDA
-graph (``do_bench_cudagraph``): the decode step runs that way, and those are the numbers
-that decide the defaults.
+For each (rows, L) of ``SHAPES`` (k = 2048), both length patterns (all L, ~U[L/2, L]) and
+both logits dtypes (fp32, bf16), logits are a ``[rows, L]`` view of a 256-aligned buffer
+with junk (NaN, inf, huge values) past each row's length, as DeepGEMM leaves them. Timed,
+each from a CUDA graph (how the decode step runs them):
+
+- ``topk``: ``dsa::topk_indices``; ``topk+slots``: it, then ``dsa::indices_to_slots``
+  (two launches, the path before the fused op); ``fused``: ``dsa::topk_indices_and_slots``
+  (one launch); ``torch``: ``torch.topk`` on the logits with the columns past each length
+  set to -inf (the mask it needs).
+- warm: ``(T(11 calls) - T(1 call)) / 10`` for graphs of 11 and 1 calls: the logits stay
+  in L2 across calls, and the graph's launch cancels out. flushed: a graph of one call
+  after a 256 MB write (``triton.testing.do_bench`` clears L2 before every replay).
+
+Every output is checked first (the top-k contract; the slots against ``indices_to_slots``
+of the indices). Then the ``VARIANTS`` of :data:`dsa.ops.topk.indices.TUNING` (fused op,
+fp32, all lengths) for tuning; the parameters in force are printed with the results.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -28,49 +35,50 @@ import triton
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _report import markdown_table  # noqa: E402
+from _report import markdown_table, publish, report  # noqa: E402
 from test_topk import check_topk  # noqa: E402
 
-from dsa.ops.topk.indices import choose_parts, launch_topk  # noqa: E402
+from dsa.ops.topk.indices import TUNING, SlotArgs, choose_parts, launch_topk  # noqa: E402
 
+ops = torch.ops.dsa
 TOPK = 2048
-SHAPES = [(1, 1, 4096), (1, 1, 65536), (8, 1, 32768), (32, 1, 32768), (64, 1, 65536),
-          (128, 1, 32768), (64, 2, 32768), (256, 1, 8192)]
+BLOCK_SIZE = 64
+SHAPES = [(1, 4096), (64, 65536), (128, 32768)]
 JUNK = (float("nan"), float("inf"), -float("inf"), 3.0e38, 1.0e30)
 
-
-def _parts_times(factor: float) -> Callable[[int, int], dict]:
-    return lambda rows, n: dict(parts=max(1, int(choose_parts(rows, n) * factor)))
-
-
-# name -> (rows, L) -> launch_topk keyword arguments
-VARIANTS: dict[str, Callable[[int, int], dict]] = {
-    "default": lambda rows, n: {},
-    "parts/2": _parts_times(0.5),
-    "parts*2": _parts_times(2),
-    "groups512": lambda rows, n: dict(sample_groups=512),
-    "margin3": lambda rows, n: dict(margin=3.0),
-    "warps4": lambda rows, n: dict(num_warps=4, select_warps=4),
-    "row4k": lambda rows, n: dict(row_cols=4096),
-    "block8k": lambda rows, n: dict(block=8192),
+# name -> TUNING fields replaced (launch_topk keyword arguments)
+VARIANTS: dict[str, dict] = {
+    "default": {},
+    "warps4": dict(num_warps=4),
+    "programs512": dict(target_programs=512),
+    "programs512+warps4": dict(target_programs=512, num_warps=4),
+    "groups512": dict(sample_groups=512),
+    "margin3": dict(margin=3.0),
+    "block2048": dict(block=2048),
+    "no-preload": dict(preload_rows=0),
+    "finish1024": dict(finish_block=1024),
+    "select-warps4": dict(select_warps=4),
+    "select-warps16": dict(select_warps=16),
 }
 QUICK = ("default",)
-# variants also replayed from a CUDA graph (the decode step runs that way)
-GRAPHED = ("default", "groups512")
 
 
-def make_case(rows: int, next_n: int, n: int, full: bool, data: str = "normal", seed: int = 0):
+def make_case(rows: int, n: int, full: bool, dtype: torch.dtype, seed: int = 0):
+    """(logits, lengths [rows, 1], block table [rows, W], row requests [rows], num_blocks)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     width = -(-n // 256) * 256
     buffer = torch.randn(rows, width, device="cuda", generator=gen)
-    if data == "positive":  # one sign, wide range: the histogram bins key bits, not values
-        buffer = torch.exp(2 * buffer)
     lengths = torch.full((rows,), n, device="cuda") if full else \
         torch.randint(n // 2, n + 1, (rows,), device="cuda", generator=gen)
     cols = torch.arange(width, device="cuda")
     junk = torch.tensor(JUNK, device="cuda")[cols % len(JUNK)]
-    buffer = torch.where(cols < lengths[:, None], buffer, junk)
-    return buffer.narrow(1, 0, n), lengths.to(torch.int32).view(rows // next_n, next_n)
+    buffer = torch.where(cols < lengths[:, None], buffer, junk).to(dtype)
+    blocks = -(-n // BLOCK_SIZE)
+    num_blocks = rows * blocks
+    table = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
+    requests = torch.arange(rows, device="cuda", dtype=torch.int32)
+    return (buffer.narrow(1, 0, n), lengths.to(torch.int32).view(rows, 1),
+            table.view(rows, blocks), requests, num_blocks)
 
 
 def masked_torch_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
@@ -79,71 +87,126 @@ def masked_torch_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> to
     return masked.topk(min(k, logits.shape[1]), dim=1).indices
 
 
-def us(fn: Callable[[], object], graph: bool = False) -> float:
-    if graph:
-        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-    return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+def _graph(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles, allocates
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
 
 
-def bench_case(batch: int, next_n: int, n: int, full: bool, names: list[str],
-               data: str = "normal") -> list[str]:
-    """One table row: checks every variant, then times it, the baseline and the graphs."""
-    rows = batch * next_n
-    logits, lengths = make_case(rows, next_n, n, full, data)
-    baseline = lambda: masked_torch_topk(logits, lengths, TOPK)
-    base = us(baseline)
-    times = {}
-    for name in names:
-        kwargs = VARIANTS[name](rows, n)
-        run = lambda kw=kwargs: launch_topk(logits, lengths, TOPK, **kw)
-        check_topk(logits, lengths, TOPK, None, run())
-        times[name] = us(run)
-    best = min(times, key=times.get)
-    op = us(lambda: torch.ops.dsa.topk_indices(logits, lengths, TOPK))
-    graph_base = us(baseline, graph=True)
-    graphed = []
-    for name in GRAPHED:
-        kwargs = VARIANTS[name](rows, n)
-        graphed.append(us(lambda kw=kwargs: launch_topk(logits, lengths, TOPK, **kw),
-                          graph=True))
-    return [
-        f"{rows}x{n} (B={batch}, next_n={next_n})", "full" if full else "U[L/2,L]",
-        str(choose_parts(rows, n)), f"{base:.1f}", f"{best} {times[best]:.1f}",
-        f"{base / times[best]:.1f}x", *(f"{times[m]:.1f}" for m in names), f"{op:.1f}",
-        f"{graph_base:.1f}", *(f"{t:.1f}" for t in graphed),
-        *(f"{graph_base / t:.1f}x" for t in graphed),
-    ]
+def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
+    return 1e3 * triton.testing.do_bench(graph.replay, warmup=10, rep=100,
+                                         return_mode="median")
+
+
+def warm_and_flushed_us(fn: Callable[[], object]) -> tuple[float, float]:
+    """(warm µs, flushed µs) of one call of ``fn`` (see the module doc)."""
+    one = _replay_us(_graph(fn, 1))
+    eleven = _replay_us(_graph(fn, 11))
+    return (eleven - one) / 10, one
+
+
+def check_case(logits, lengths, table, requests, num_blocks) -> None:
+    out = ops.topk_indices(logits, lengths, TOPK)
+    check_topk(logits.float(), lengths, TOPK, None, out)
+    fused, slots = ops.topk_indices_and_slots(logits, lengths, TOPK, table, requests,
+                                              BLOCK_SIZE, num_blocks)
+    check_topk(logits.float(), lengths, TOPK, None, fused)
+    want = ops.indices_to_slots(fused, table, requests, BLOCK_SIZE, num_blocks)
+    assert torch.equal(slots, want), "fused slots differ from indices_to_slots"
+
+
+def bench_case(rows: int, n: int, full: bool, dtype: torch.dtype) -> list[str]:
+    logits, lengths, table, requests, num_blocks = make_case(rows, n, full, dtype)
+    check_case(logits, lengths, table, requests, num_blocks)
+    fns = {
+        "topk": lambda: ops.topk_indices(logits, lengths, TOPK),
+        "topk+slots": lambda: ops.indices_to_slots(ops.topk_indices(logits, lengths, TOPK),
+                                                   table, requests, BLOCK_SIZE, num_blocks),
+        "fused": lambda: ops.topk_indices_and_slots(logits, lengths, TOPK, table, requests,
+                                                    BLOCK_SIZE, num_blocks),
+        "torch": lambda: masked_torch_topk(logits, lengths, TOPK),
+    }
+    times = {name: warm_and_flushed_us(fn) for name, fn in fns.items()}
+    cells = []
+    for mode in (0, 1):
+        cells += [f"{times[name][mode]:.1f}" for name in fns]
+        cells.append(f"{times['torch'][mode] / times['fused'][mode]:.1f}x")
+    return [f"{rows}x{n}", "full" if full else "U[L/2,L]", str(dtype).removeprefix("torch."),
+            *cells]
+
+
+def bench_variant(rows: int, n: int, tuning: dict) -> list[str]:
+    logits, lengths, table, requests, num_blocks = make_case(rows, n, True, torch.float32)
+    out = torch.empty(rows, TOPK, dtype=torch.int32, device="cuda")
+    slots = SlotArgs(torch.empty_like(out), table, requests, BLOCK_SIZE, num_blocks)
+
+    def run():
+        return launch_topk(logits, lengths, TOPK, out=out, slots=slots, **tuning)
+
+    check_topk(logits, lengths, TOPK, None, run())
+    want = ops.indices_to_slots(out, table, requests, BLOCK_SIZE, num_blocks)
+    assert torch.equal(slots.out, want), "slots differ from indices_to_slots"
+    warm, flushed = warm_and_flushed_us(run)
+    return [f"{warm:.1f}", f"{flushed:.1f}"]
+
+
+def default_parts(rows: int, n: int) -> int:
+    return choose_parts(rows, n, target_programs=TUNING.target_programs,
+                        min_part_cols=TUNING.min_part_cols, max_parts=TUNING.max_parts)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"only variants {QUICK}")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,...",
-                        help="an extra variant, e.g. 'w16:block=8192,num_warps=16'")
-    parser.add_argument("--data", choices=["normal", "positive"], default="normal",
-                        help="logits ~ N(0, 1), or exp(2 N(0, 1))")
+                        help="an extra variant, e.g. 'w4:num_warps=4,block=2048'")
+    parser.add_argument("--out", help="append the report to this markdown file "
+                        "(e.g. BENCHMARKS.md)")
     args = parser.parse_args()
     names = list(QUICK if args.quick else VARIANTS)
     for spec in args.variant:
         name, _, pairs = spec.partition(":")
-        extra = {key: float(value) if "." in value else int(value) for key, value in
-                 (pair.split("=") for pair in pairs.split(",") if pair)}
-        VARIANTS[name] = lambda rows, n, kw=extra: dict(kw)
+        VARIANTS[name] = {key: float(value) if "." in value else int(value) for key, value in
+                          (pair.split("=") for pair in pairs.split(",") if pair)}
         names.append(name)
     started = time.time()
     table = []
-    for batch, next_n, n in SHAPES:
-        for full in (False, True):
-            table.append(bench_case(batch, next_n, n, full, names, args.data))
-            print(f"done B={batch} next_n={next_n} L={n} full={full} "
-                  f"({time.time() - started:.0f}s)", file=sys.stderr)
-    header = ["rows x L", "lengths", "auto parts", "torch.topk µs", "best variant µs",
-              "speedup", *names, "op µs", "graph: torch µs",
-              *(f"graph: {m} µs" for m in GRAPHED), *(f"graph speedup {m}" for m in GRAPHED)]
-    print(f"\nk={TOPK}, {args.data} logits, {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}, "
-          f"triton {triton.__version__}; eager do_bench medians in µs unless marked graph\n")
-    print(markdown_table(header, table))
+    for rows, n in SHAPES:
+        for full in (True, False):
+            for dtype in (torch.float32, torch.bfloat16):
+                table.append(bench_case(rows, n, full, dtype))
+                print(f"done {rows}x{n} full={full} {dtype} ({time.time() - started:.0f}s)",
+                      file=sys.stderr)
+    ops_names = ("topk", "topk+slots", "fused", "torch")
+    header = ["rows x L", "lengths", "logits",
+              *(f"warm {name} µs" for name in ops_names), "warm torch/fused",
+              *(f"flushed {name} µs" for name in ops_names), "flushed torch/fused"]
+    variants = []
+    for name in names:
+        cells = []
+        for rows, n in SHAPES:
+            cells += bench_variant(rows, n, VARIANTS[name])
+        variants.append([name, ", ".join(f"{k}={v}" for k, v in VARIANTS[name].items()) or "-",
+                         *cells])
+    notes = (f"k={TOPK}, block_size={BLOCK_SIZE}; µs per call from CUDA-graph replays "
+             "(warm: logits in L2, (T(11 calls) - T(1)) / 10; flushed: one call after L2 is "
+             f"cleared); TUNING: {dataclasses.asdict(TUNING)}; candidates programs per row: "
+             + ", ".join(f"{rows}x{n}: {default_parts(rows, n)}" for rows, n in SHAPES))
+    variant_table = markdown_table(
+        ["variant", "TUNING changes",
+         *(f"{rows}x{n} {mode}" for rows, n in SHAPES for mode in ("warm", "flushed"))],
+        variants)
+    command = "python benchmarks/bench_topk_sweep.py" + (" --quick" if args.quick else "")
+    publish(report("Top-k: topk_indices, topk_indices_and_slots, masked torch.topk", command,
+                   markdown_table(header, table) + "\n\nVariants (fused op, fp32, all "
+                   "lengths; warm / flushed µs):\n\n" + variant_table, notes), args.out)
 
 
 if __name__ == "__main__":

@@ -194,13 +194,19 @@ class Indexer(nn.Module):
         ops.rope_hadamard_quantize_and_cache_k(k, self.kv_cache, meta.slot_mapping, *rotation)
         q_fp8, head_weights = ops.rope_hadamard_quantize_q(q, weights, *rotation)
         if isinstance(meta, DecodeMetadata):
-            indices = self._decode_topk(q_fp8, head_weights, meta)
+            indices, slots = self._decode_topk(q_fp8, head_weights, meta)
         else:
-            indices = self._prefill_topk(q_fp8, head_weights, meta)
-        indices = torch.where(meta.valid_tokens[:, None], indices, -1)
-        slots = ops.indices_to_slots(indices, meta.request_block_table, meta.token_requests,
-                                     cfg.block_size, self.kv_cache.shape[0])
+            indices, slots = self._prefill_topk(q_fp8, head_weights, meta)
         return IndexerOutput(indices=indices, slots=slots)
+
+    def _select(self, logits: Tensor, lens: Tensor, meta: DecodeMetadata | PrefillMetadata,
+                tokens: slice) -> tuple[Tensor, Tensor]:
+        """Top-k indices and cache slots of logits rows that are the tokens ``tokens``; a
+        token outside ``meta.valid_tokens`` selects nothing (length 0)."""
+        lens = torch.where(meta.valid_tokens[tokens].view(-1, 1), lens.view(-1, 1), 0)
+        return ops.topk_indices_and_slots(logits, lens, self.cfg.topk,
+                                          meta.request_block_table, meta.token_requests[tokens],
+                                          self.cfg.block_size, self.kv_cache.shape[0])
 
     def _check_inputs(self, hidden: Tensor, q_latent: Tensor, positions: Tensor,
                       meta: DecodeMetadata | PrefillMetadata) -> None:
@@ -229,7 +235,8 @@ class Indexer(nn.Module):
         k = self.k_norm(k.float()).to(k.dtype)
         return q, k, F.linear(hidden.float(), self.weights_proj.weight.float())
 
-    def _decode_topk(self, q_fp8: Tensor, head_weights: Tensor, meta: DecodeMetadata) -> Tensor:
+    def _decode_topk(self, q_fp8: Tensor, head_weights: Tensor, meta: DecodeMetadata
+                     ) -> tuple[Tensor, Tensor]:
         cfg = self.cfg
         rows = meta.context_lens.shape[0]
         if meta.packed:
@@ -245,18 +252,22 @@ class Indexer(nn.Module):
             logits = ops.paged_mqa_logits_deepgemm(*args, meta.schedule)
         else:
             logits = ops.paged_mqa_logits(*args)
+        if not meta.packed:  # logits rows are the tokens
+            return self._select(logits, meta.context_lens, meta, slice(None))
         indices = ops.topk_indices(logits, meta.context_lens, cfg.topk)
-        if meta.packed:
-            indices = ops.unpack_decode_rows(
-                indices.view(rows, meta.next_n, cfg.topk), meta.query_start_loc,
-                meta.num_tokens,
-            )
-        return indices
+        indices = ops.unpack_decode_rows(
+            indices.view(rows, meta.next_n, cfg.topk), meta.query_start_loc, meta.num_tokens,
+        )
+        indices = torch.where(meta.valid_tokens[:, None], indices, -1)
+        return indices, ops.indices_to_slots(indices, meta.request_block_table,
+                                             meta.token_requests, cfg.block_size,
+                                             self.kv_cache.shape[0])
 
     def _prefill_topk(self, q_fp8: Tensor, head_weights: Tensor, meta: PrefillMetadata
-                      ) -> Tensor:
+                      ) -> tuple[Tensor, Tensor]:
         cfg = self.cfg
         indices = q_fp8.new_full((q_fp8.shape[0], cfg.topk), -1, dtype=torch.int32)
+        slots = torch.full_like(indices, -1)
         k_fp8 = k_scale = None
         logits_op = ops.mqa_logits_deepgemm if meta.logits_backend == "deepgemm" else ops.mqa_logits
         for chunk in meta.chunks:
@@ -269,8 +280,8 @@ class Indexer(nn.Module):
             logits = logits_op(q_fp8[span], k_fp8, k_scale, head_weights[span], chunk.ks,
                                chunk.ke, chunk.max_seqlen_k)
             lens = (chunk.ke - chunk.ks).clamp(0, chunk.max_seqlen_k)
-            indices[span] = ops.topk_indices(logits, lens, cfg.topk)
-        return indices
+            indices[span], slots[span] = self._select(logits, lens, meta, span)
+        return indices, slots
 
 
 def _checkpoint_weight(own: Mapping[str, Tensor], prefix: str, name: str, param: Tensor

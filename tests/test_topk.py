@@ -9,14 +9,27 @@ hold junk (NaN, +inf, huge values) that must never be selected.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import reference_compute as ref
 import torch
-from faces import CPU_EXAMPLES, FACE_NAMES, HAS_CUDA, KERNEL_EXAMPLES, KERNEL_MARK, i32, run_op
+from faces import (
+    CPU_EXAMPLES,
+    FACE_NAMES,
+    HAS_CUDA,
+    KERNEL_EXAMPLES,
+    KERNEL_MARK,
+    i32,
+    run_op,
+    validation_test,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_slots import slots_case
 
 from dsa.ops import FACES
 from dsa.ops.topk.indices import (
+    SlotArgs,
     choose_parts,
     choose_select_cap,
     choose_select_warps,
@@ -84,6 +97,24 @@ def check_topk(logits, lengths, k, starts, out) -> None:
 def check_both(logits, lengths, k, starts, out) -> None:
     check_topk_loop(logits, lengths, k, starts, out)
     check_topk(logits, lengths, k, starts, out)
+
+
+def slot_table(seed: int, rows: int, n: int, block_size: int):
+    """(block_table, row_requests, block_size, num_blocks) covering a little more than n
+    columns, with -1, out-of-cache and huge entries and requests outside the table."""
+    gen = torch.Generator().manual_seed(seed)
+    width = n // block_size + 2
+    _, table, requests = slots_case(gen, 0, 1, 3, width, block_size, num_blocks=3 * width)
+    requests = torch.randint(-1, 5, (rows,), generator=gen, dtype=torch.int32)
+    return table, requests, block_size, 3 * width
+
+
+def check_slots(indices, slots, table, requests, block_size, num_blocks) -> None:
+    """The slots are ``indices_to_slots`` of the indices (the loop reference)."""
+    assert slots.dtype == torch.int32 and slots.shape == indices.shape
+    want = ref.indices_to_slots(indices.numpy(), table.numpy(), requests.numpy(), block_size,
+                                num_blocks)
+    np.testing.assert_array_equal(slots.numpy(), want)
 
 
 # --- inputs --------------------------------------------------------------------------------
@@ -166,21 +197,52 @@ def test_kernel_face(case):
     check_both(logits, lengths, k, starts, run_op("kernel", "topk_indices", *case))
 
 
+@CPU_EXAMPLES
+@given(case=topk_cases(), block_size=st.sampled_from([1, 16, 64]))
+def test_cpu_face_bf16_and_slots(case, block_size):
+    """bf16 logits select on their own values; the slots are those of the indices."""
+    logits, lengths, k, starts = case
+    logits = logits.bfloat16()
+    table = slot_table(k, logits.shape[0], logits.shape[1], block_size)
+    out, slots = run_op("cpu", "topk_indices_and_slots", logits, lengths, k, *table, starts)
+    check_both(logits.float(), lengths, k, starts, out)
+    check_slots(out, slots, *table)
+
+
+@KERNEL_MARK
+@KERNEL_EXAMPLES
+@given(case=topk_cases(), bf16=st.booleans(), block_size=st.sampled_from([1, 16, 64]))
+def test_kernel_face_slots(case, bf16, block_size):
+    logits, lengths, k, starts = case
+    if bf16:
+        logits = logits.bfloat16()
+    table = slot_table(k, logits.shape[0], logits.shape[1], block_size)
+    out, slots = run_op("kernel", "topk_indices_and_slots", logits, lengths, k, *table, starts)
+    check_both(logits.float(), lengths, k, starts, out)
+    check_slots(out, slots, *table)
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
 @pytest.mark.interpret
 @settings(max_examples=25)
 @given(case=topk_cases(max_rows=3, max_cols=400), parts=st.sampled_from([1, 2, 4]),
        block=st.sampled_from([32, 128]), cap=st.sampled_from([16, 64, 128, 512]),
-       margin=st.sampled_from([-100.0, 0.0, 4.0, 1e9]))
-def test_launch_variants_interpreted(case, parts, block, cap, margin):
+       margin=st.sampled_from([-100.0, 0.0, 4.0, 1e9]), bf16=st.booleans())
+def test_launch_variants_interpreted(case, parts, block, cap, margin, bf16):
     """Rows read whole (valid <= cap), thresholded rows, and the streamed search when the
     threshold is too high (margin -100: fewer than k keys above it) or too low (1e9, or
-    cap 16: more candidates than cap), with split parts and tiny blocks."""
+    cap 16: more candidates than cap), with split parts and tiny blocks; slots from every
+    path."""
     logits, lengths, k, starts = case
-    out = launch_topk(logits, lengths, k, starts, parts=parts, block=block, select_cap=cap,
-                      sample_groups=16, margin=margin, finish_block=32, num_warps=1,
-                      select_warps=1)
-    check_both(logits, lengths, k, starts, out)
+    if bf16:
+        logits = logits.bfloat16()
+    table = slot_table(parts, logits.shape[0], logits.shape[1], 16)
+    slots = torch.empty(logits.shape[0], k, dtype=torch.int32)
+    out = launch_topk(logits, lengths, k, starts, slots=SlotArgs(slots, *table), parts=parts,
+                      block=block, select_cap=cap, sample_groups=16, margin=margin,
+                      finish_block=32, num_warps=1, select_warps=1)
+    check_both(logits.float(), lengths, k, starts, out)
+    check_slots(out, slots, *table)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test")
@@ -284,11 +346,15 @@ def _opcheck_args():
 @pytest.mark.parametrize("args", _opcheck_args())
 def test_opcheck(args):
     torch.library.opcheck(torch.ops.dsa.topk_indices, args)
+    table = slot_table(0, 4, 300, 16)
+    torch.library.opcheck(torch.ops.dsa.topk_indices_and_slots,
+                          (*args[:3], *table, *args[3:]))
+    torch.library.opcheck(torch.ops.dsa.topk_indices, (args[0].bfloat16(), *args[1:]))
 
 
 X, LENS = torch.zeros(2, 8), i32([8, 8])
 ERROR_CASES = [
-    ((X.half(), LENS, 4), TypeError, "`logits` must be torch.float32"),
+    ((X.half(), LENS, 4), TypeError, "`logits` must be torch.float32 or torch.bfloat16"),
     ((X[0], LENS, 4), ValueError, "`logits` must have 2 dimension"),
     ((torch.zeros(8, 2).t(), LENS, 4), ValueError, "`logits` must have unit column stride"),
     ((X, LENS.long(), 4), TypeError, "`lengths` must be torch.int32"),
@@ -309,6 +375,21 @@ def test_validation(face, args, error, match):
 def test_validation_through_the_dispatcher():
     with pytest.raises(ValueError, match="`k` must be >= 1"):
         torch.ops.dsa.topk_indices(X, LENS, 0)
+
+
+TABLE, REQS = i32([[0, 1]]), i32([0, 0])
+test_topk_slots_validation = validation_test([
+    ((X.half(), LENS, 4, TABLE, REQS, 64, 4), TypeError, "`logits` must be torch.float32"),
+    ((X, LENS, 0, TABLE, REQS, 64, 4), ValueError, "`k` must be >= 1"),
+    ((X, LENS, 4, TABLE[0], REQS, 64, 4), ValueError, "`block_table` must have 2"),
+    ((X, LENS, 4, TABLE, i32([0]), 64, 4), ValueError, "`row_requests` must have size 2"),
+    ((X, LENS, 4, TABLE, REQS.long(), 64, 4), TypeError, "`row_requests` must be torch.int32"),
+    ((X, LENS, 4, TABLE, REQS, 0, 4), ValueError, "`block_size` must be >= 1"),
+    ((X, LENS, 4, TABLE, REQS, 64, -1), ValueError, "`num_blocks` must be >= 0"),
+    ((X, LENS, 4, TABLE, REQS, 64, 2**25 + 1), ValueError, "slots must fit int32"),
+    ((X, LENS, 4, TABLE, REQS, 64, 4, i32([0])), ValueError,
+     "`starts` must have one entry per logits row"),
+], op="topk_indices_and_slots")
 
 
 # --- GPU: realistic shapes (k = 2048) ------------------------------------------------------
@@ -395,3 +476,36 @@ def test_gpu_cuda_graph_replay(rows, n):
         graph.replay()
         torch.cuda.synchronize()
         check_topk(logits, lengths, 2048, None, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "n"), [(1, 4096), (64, 65536), (128, 32768), (256, 8192)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_slots_and_bf16(rows, n, dtype):
+    """The fused op at the benchmark shapes: the top-k of the (bf16) values, and exactly
+    ``indices_to_slots`` of its indices; eager and replayed from a CUDA graph."""
+    logits, lengths = gpu_case(rows, n, seed=rows + 7)
+    logits = logits.to(dtype)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    width = n // 64
+    table = torch.randint(-1, rows * width, (rows, width), device="cuda", generator=gen,
+                          dtype=torch.int32)
+    requests = torch.randint(-1, rows + 1, (rows,), device="cuda", generator=gen,
+                             dtype=torch.int32)
+    args = (logits, lengths, 2048, table, requests, 64, rows * width - 5)
+
+    def check(out, slots):
+        check_topk(logits.float(), lengths, 2048, None, out)
+        assert torch.equal(slots, torch.ops.dsa.indices_to_slots(out, *args[3:]))
+
+    check(*torch.ops.dsa.topk_indices_and_slots(*args))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, slots = torch.ops.dsa.topk_indices_and_slots(*args)
+    new_logits, new_lengths = gpu_case(rows, n, seed=rows + 8)
+    logits.copy_(new_logits)
+    lengths.copy_(new_lengths)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, slots)

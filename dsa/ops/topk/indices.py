@@ -1,30 +1,40 @@
-"""Top-k selection of the indexer logits (design §3): ``dsa::topk_indices``.
+"""Top-k selection of the indexer logits (design §3): ``dsa::topk_indices`` and
+``dsa::topk_indices_and_slots``.
 
-Row ``r`` of ``logits`` is valid on columns ``[s, s + len)`` clipped to ``[0, N)``, where
-``s = starts[r]`` (0 without ``starts``) and ``len = max(lengths[r], 0)``. The output row
-holds the positions ``column - s`` of the ``min(k, valid)`` largest valid logits, then -1.
-Order inside a row and the choice among equal values are free; columns outside the valid
-range may hold anything (junk, +inf, NaN) and are never selected.
+Row ``r`` of ``logits`` (fp32 or bf16) is valid on columns ``[s, s + len)`` clipped to
+``[0, N)``, where ``s = starts[r]`` (0 without ``starts``) and ``len = max(lengths[r], 0)``.
+The output row holds the positions ``column - s`` of the ``min(k, valid)`` largest valid
+logits, then -1. Order inside a row and the choice among equal values are free; columns
+outside the valid range may hold anything (junk, +inf, NaN) and are never selected.
+``topk_indices_and_slots`` also returns the selection's K-cache slots, exactly
+``indices_to_slots(indices, block_table, row_requests, block_size, num_blocks)``.
 
-CUDA face: an exact selection on order-preserving int32 keys, in Triton, two launches.
+CUDA face: an exact selection on order-preserving int32 keys (from the fp32 value), in
+Triton, two launches (one when no row can be longer than ``select_cap``).
 
 1. candidates (rows longer than ``select_cap``; ``parts`` programs per row): each program
    estimates from a sample of the row (``sample_groups`` groups of ``sample_width``
    consecutive columns) a key T about ``margin`` standard deviations of the sample count
-   below the k-th largest, then streams its part of the row once and stores the keys >= T
-   with their output indices (one int64 each) and their count.
+   below the k-th largest, then streams its part of the row once (the next block's load
+   in flight while one is ranked) and stores the keys >= T with their output indices (one
+   int64 each) and their count.
 2. select (one program per row): the row's candidates, or, for rows with ``valid <=
    select_cap``, the whole row, are held in registers; a trisection on the key finds the
    k-th largest, and the larger keys and enough equal ones are written. Rows whose
    candidates are fewer than k (T too high) or more than ``select_cap`` (too low) run the
    same search over the whole row instead, streaming it once per step (exact, slower).
-   Rows with ``valid <= k`` are written directly (``0 .. valid - 1`` then -1).
+   Rows with ``valid <= k`` are written directly (``0 .. valid - 1`` then -1). With slots,
+   the program then reads its row of indices back and writes their slots.
 
 Every step is deterministic (slots come from prefix sums in a fixed order); there is no
-host sync, no atomic and no data-dependent size: the op captures in a CUDA graph.
+host sync, no atomic and no data-dependent size: the ops capture in a CUDA graph. Launch
+parameters: :class:`Tuning` (defaults ``TUNING``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -48,6 +58,7 @@ from dsa.ops.topk.select import (
     tile,
     write_all,
 )
+from dsa.ops.topk.slots import _indices_to_slots_cpu, check_slot_args, request_row, slot_of
 
 # --- validation, CPU face ----------------------------------------------------------------
 
@@ -61,10 +72,9 @@ def _check_rows(op: str, name: str, t: Tensor, logits: Tensor) -> None:
         )
 
 
-@dsa_op("topk_indices")
-def _topk_out(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None) -> Tensor:
-    op = "topk_indices"
-    check_tensor(op, "logits", logits, dtype=torch.float32, ndim=2)
+def _check_topk(op: str, logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None
+                ) -> Tensor:
+    check_tensor(op, "logits", logits, dtype=LOGITS_DTYPES, ndim=2)
     if logits.shape[1] > 1 and logits.stride(1) != 1:
         raise ValueError(
             f"dsa.{op}: `logits` must have unit column stride (stride(1) == 1), "
@@ -77,9 +87,28 @@ def _topk_out(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = N
     return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
 
 
+LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dsa_op("topk_indices")
+def _topk_out(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None) -> Tensor:
+    return _check_topk("topk_indices", logits, lengths, k, starts)
+
+
+@dsa_op("topk_indices_and_slots")
+def _topk_slots_out(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
+                    row_requests: Tensor, block_size: int, num_blocks: int,
+                    starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    op = "topk_indices_and_slots"
+    out = _check_topk(op, logits, lengths, k, starts)
+    check_slot_args(op, block_table, row_requests, logits.shape[0], logits, block_size,
+                    num_blocks)
+    return out, torch.empty_like(out)
+
+
 def order_keys(x: Tensor) -> Tensor:
-    """int32 keys of fp32 ``x`` whose signed order is the float order (-0 < +0)."""
-    bits = x.view(torch.int32)
+    """int32 keys of fp32 or bf16 ``x`` whose signed order is the float order (-0 < +0)."""
+    bits = x.float().view(torch.int32)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
@@ -104,6 +133,16 @@ def _topk_cpu(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = N
     return out
 
 
+@_topk_slots_out.cpu
+def _topk_slots_cpu(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
+                    row_requests: Tensor, block_size: int, num_blocks: int,
+                    starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    _topk_slots_out(logits, lengths, k, block_table, row_requests, block_size, num_blocks,
+                    starts)
+    out = _topk_cpu(logits, lengths, k, starts)
+    return out, _indices_to_slots_cpu(out, block_table, row_requests, block_size, num_blocks)
+
+
 @triton.jit
 def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constexpr):
     """Key T with about ``k + margin * sqrt(k)`` (scaled to the sample) of the row's keys
@@ -121,7 +160,7 @@ def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constex
     spread = tl.sqrt(expect)
     rank = tl.minimum(tl.maximum((expect + margin * spread).to(tl.int32) + 2, 1), n_s)
     # any count in [rank, rank + spread] will do
-    t, _ = kth_search(keys, ok, rank, rank + spread.to(tl.int32))
+    t, _ = kth_search(keys, ok, n_s, rank, rank + spread.to(tl.int32))
     return t
 
 
@@ -143,9 +182,12 @@ def _candidates_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr
         region = cand_ptr + (row * PARTS + part).to(tl.int64) * CAP
         offs = tile(BLOCK // C, C)
         seen = tl.zeros([], tl.int32)
+        ahead = tl.load(row_ptr + base + offs, mask=base + offs < b, other=0.0)
         for c in range(base, b, BLOCK):
             cols = c + offs
-            key = order_key(tl.load(row_ptr + cols, mask=cols < n_cols, other=0.0))
+            key = order_key(ahead)
+            # the next block's load is in flight while this one is ranked and stored
+            ahead = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < b, other=0.0)
             take = in_span(cols, a, b) & (key >= t)
             before, total = slots(take.to(tl.int32))
             pos = seen + before
@@ -157,23 +199,34 @@ def _candidates_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr
 
 @triton.jit
 def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, count_ptr,
-                   out_ptr, n_cols, k, HAS_STARTS: tl.constexpr, PARTS: tl.constexpr,
+                   out_ptr, slots_ptr, table_ptr, table_stride, req_ptr, num_reqs, width,
+                   num_blocks, n_cols, k, HAS_STARTS: tl.constexpr, PARTS: tl.constexpr,
                    CAP: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
-                   FINISH_BLOCK: tl.constexpr):
+                   FINISH_BLOCK: tl.constexpr, PRELOAD: tl.constexpr, SLOTS: tl.constexpr,
+                   BS: tl.constexpr):
     """Program per row: ``valid <= k``: all; ``valid <= CAP``: the row read whole into
     registers; else the parts' candidates, or the streamed search when they are not
-    usable (fewer than k, or more than CAP)."""
+    usable (fewer than k, or more than CAP). With SLOTS, the row's indices are then read
+    back and written as cache slots (``indices_to_slots`` of the row)."""
     row = tl.program_id(0)
-    lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    out_row = out_ptr + row.to(tl.int64) * k
     j = tile(CAP // C, C)
+    if PRELOAD:  # n_cols <= CAP and no starts: the row's load need not wait for its length
+        whole = tl.load(row_ptr + j, mask=j < n_cols, other=0.0)
+    if SLOTS:  # the row's request, read while the row is selected
+        table_row, req_ok = request_row(table_ptr, table_stride, tl.load(req_ptr + row),
+                                        num_reqs)
+    lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
+    out_row = out_ptr + row.to(tl.int64) * k
     if hi - lo <= k:
         write_all(out_row, hi - lo, off, k, FINISH_BLOCK)
     elif hi - lo <= CAP:
         member = j < hi - lo
-        keys = order_key(tl.load(row_ptr + lo + j, mask=member, other=0.0))
-        select_write(keys, j + off, member, k, out_row, CAP)
+        if PRELOAD:
+            keys = order_key(whole)
+        else:
+            keys = order_key(tl.load(row_ptr + lo + j, mask=member, other=0.0))
+        select_write(keys, j + off, member, hi - lo, k, out_row, CAP)
     else:
         total = tl.zeros([], tl.int32)
         src = j
@@ -184,10 +237,18 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
         if (total >= k) & (total <= CAP):
             member = j < total
             packed = gather(cand_ptr + row.to(tl.int64) * (PARTS * CAP) + src, member, CAP)
-            select_write((packed >> 32).to(tl.int32), packed.to(tl.int32), member, k,
-                          out_row, CAP)
+            select_write((packed >> 32).to(tl.int32), packed.to(tl.int32), member, total, k,
+                         out_row, CAP)
         else:
             select_streamed(row_ptr, out_row, k, lo, hi, off, BLOCK, C)
+    if SLOTS:
+        tl.debug_barrier()  # the row's indices, scattered by every thread, are in memory
+        slot_row = slots_ptr + row.to(tl.int64) * k
+        for c in range(0, k, FINISH_BLOCK):
+            i = c + tl.arange(0, FINISH_BLOCK)
+            idx = tl.load(out_row + i, mask=i < k, other=-1)
+            tl.store(slot_row + i, slot_of(idx, table_row, req_ok, width, num_blocks, BS),
+                     mask=i < k)
 
 
 # --- launch ------------------------------------------------------------------------------
@@ -212,10 +273,11 @@ def choose_select_cap(n_cols: int, k: int, *, row_cols: int = 8192) -> int:
     return min(MAX_SELECT_CAP, max(4096, triton.next_power_of_2(2 * k)))
 
 
-def choose_select_warps(rows: int, n_cols: int, select_cap: int) -> int:
+def choose_select_warps(rows: int, n_cols: int, select_cap: int, *, many_rows: int = 128
+                        ) -> int:
     """Warps of the select kernel: 4 when it reads many whole rows (more programs per SM),
     else 8 (shorter reductions for the few)."""
-    return 4 if n_cols <= select_cap and rows >= 128 else 8
+    return 4 if n_cols <= select_cap and rows >= many_rows else 8
 
 
 # the search packs two counts below 2**16 into one int32
@@ -228,39 +290,83 @@ def _power_of_two(**values: int) -> None:
             raise ValueError(f"launch_topk: `{name}` must be a power of two, got {value}")
 
 
-def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None, *,
-                out: Tensor | None = None, parts: int | None = None, block: int = 4096,
-                select_cap: int | None = None, row_cols: int = 8192,
-                sample_groups: int = 1024, sample_width: int = 4, margin: float = 4.0,
-                num_warps: int = 8, select_warps: int | None = None,
-                target_programs: int = 256, min_part_cols: int = 4096,
-                finish_block: int = 1024) -> Tensor:
-    """Runs the Triton top-k (arguments already validated) into ``out`` and returns it.
+class SlotArgs(NamedTuple):
+    """What the slot transform needs (``indices_to_slots`` without the indices) and where
+    its output goes."""
 
-    parts: programs per row of the candidates pass (power of two; None =
-        :func:`choose_parts` with ``target_programs`` and ``min_part_cols``).
-    block: columns per step of the passes over a row. select_cap: candidates per row held
-        in registers (power of two <= 2**15; None = :func:`choose_select_cap` with
-        ``row_cols``): rows with ``valid <= select_cap`` are read whole by the select
-        kernel, longer ones pass the threshold first.
+    out: Tensor
+    block_table: Tensor
+    row_requests: Tensor
+    block_size: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch parameters of the Triton top-k (``TUNING``: the defaults, printed by
+    ``benchmarks/bench_topk_sweep.py``).
+
+    block: columns per step of the passes over a row. row_cols: rows of at most this many
+        columns are read whole by the select kernel (no candidates pass).
     sample_groups, sample_width: the threshold's sample (``sample_groups * sample_width <=
         2**15``); margin: the threshold sits ``margin`` standard deviations of the sample
-        count below the estimated k-th largest. num_warps: the candidates pass;
-        select_warps: the select kernel (None = :func:`choose_select_warps`).
-        finish_block: step of the rows with ``valid <= k``.
+        count below the estimated k-th largest.
+    num_warps: the candidates pass. target_programs, min_part_cols, max_parts: its programs
+        per row (:func:`choose_parts`). many_rows: the select kernel takes 4 warps instead
+        of 8 when it reads at least this many whole rows (:func:`choose_select_warps`).
+    preload_rows: with at most this many rows read whole (and no starts), a row's load is
+        issued before its length is known (the latency of one read fewer; more rows hide
+        it anyway, and the load reads past short lengths). finish_block: step of the rows
+        with ``valid <= k`` and of the slot transform (one step for k = 2048: each step
+        waits for its reads).
     """
+
+    block: int = 4096
+    row_cols: int = 8192
+    sample_groups: int = 1024
+    sample_width: int = 4
+    margin: float = 4.0
+    num_warps: int = 8
+    target_programs: int = 256
+    min_part_cols: int = 4096
+    max_parts: int = 16
+    many_rows: int = 128
+    preload_rows: int = 128
+    finish_block: int = 2048
+
+
+TUNING = Tuning()
+
+
+def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None, *,
+                out: Tensor | None = None, slots: SlotArgs | None = None,
+                parts: int | None = None, select_cap: int | None = None,
+                select_warps: int | None = None, **tuning: Any) -> Tensor:
+    """Runs the Triton top-k (arguments already validated) into ``out`` and returns it;
+    with ``slots``, also writes the selection's cache slots into ``slots.out``.
+
+    parts: programs per row of the candidates pass (power of two; None =
+        :func:`choose_parts`). select_cap: candidates per row held in registers (power of
+        two <= 2**15; None = :func:`choose_select_cap`): rows with ``valid <= select_cap``
+        are read whole by the select kernel, longer ones pass the threshold first.
+        select_warps: the select kernel's warps (None = :func:`choose_select_warps`).
+        tuning: fields of :class:`Tuning` replacing those of ``TUNING``.
+    """
+    tune = replace(TUNING, **tuning)
+    block, finish_block = tune.block, tune.finish_block
+    sample_groups, sample_width = tune.sample_groups, tune.sample_width
     rows, n_cols = logits.shape
     if out is None:
         out = logits.new_empty((rows, k), dtype=torch.int32)
     if rows == 0:
         return out
     if parts is None:
-        parts = choose_parts(rows, n_cols, target_programs=target_programs,
-                             min_part_cols=min_part_cols)
+        parts = choose_parts(rows, n_cols, target_programs=tune.target_programs,
+                             min_part_cols=tune.min_part_cols, max_parts=tune.max_parts)
     if select_cap is None:
-        select_cap = choose_select_cap(n_cols, k, row_cols=row_cols)
+        select_cap = choose_select_cap(n_cols, k, row_cols=tune.row_cols)
     if select_warps is None:
-        select_warps = choose_select_warps(rows, n_cols, select_cap)
+        select_warps = choose_select_warps(rows, n_cols, select_cap, many_rows=tune.many_rows)
     _power_of_two(parts=parts, block=block, finish_block=finish_block, select_cap=select_cap,
                   sample_groups=sample_groups, sample_width=sample_width)
     if max(block, finish_block, select_cap, sample_groups * sample_width) > MAX_SELECT_CAP:
@@ -273,14 +379,23 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     counts = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
     if n_cols > select_cap:  # some rows may be longer than the candidates
         _candidates_kernel[(rows, parts)](
-            *head, cand, counts, n_cols, k, min(max(float(margin), -1e4), 1e4), PARTS=parts,
-            G=sample_groups, W=sample_width, CAP=select_cap, BLOCK=block,
-            C=min(block, 128 * num_warps), num_warps=num_warps, **flags,
+            *head, cand, counts, n_cols, k, min(max(float(tune.margin), -1e4), 1e4),
+            PARTS=parts, G=sample_groups, W=sample_width, CAP=select_cap, BLOCK=block,
+            C=min(block, 128 * tune.num_warps), num_warps=tune.num_warps, **flags,
         )
+    if slots is None:  # placeholders, never read
+        slot_args = (out, lengths, 0, lengths, 0, 0, 0)
+        slot_flags = dict(SLOTS=False, BS=1)
+    else:
+        table = slots.block_table
+        slot_args = (slots.out, table, table.stride(0), slots.row_requests, *table.shape,
+                     slots.num_blocks)
+        slot_flags = dict(SLOTS=True, BS=slots.block_size)
     _select_kernel[(rows,)](
-        *head, cand, counts, out, n_cols, k, PARTS=parts, CAP=select_cap,
+        *head, cand, counts, out, *slot_args, n_cols, k, PARTS=parts, CAP=select_cap,
         C=min(select_cap, block, 128 * select_warps), BLOCK=block, FINISH_BLOCK=finish_block,
-        num_warps=select_warps, **flags,
+        PRELOAD=n_cols <= select_cap and starts is None and rows <= tune.preload_rows,
+        num_warps=select_warps, **flags, **slot_flags,
     )
     return out
 
@@ -289,3 +404,14 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
 def _topk_cuda(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None) -> Tensor:
     out = _topk_out(logits, lengths, k, starts)
     return launch_topk(logits, lengths, k, starts, out=out)
+
+
+@_topk_slots_out.cuda
+def _topk_slots_cuda(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
+                     row_requests: Tensor, block_size: int, num_blocks: int,
+                     starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    out, slots = _topk_slots_out(logits, lengths, k, block_table, row_requests, block_size,
+                                 num_blocks, starts)
+    launch_topk(logits, lengths, k, starts, out=out,
+                slots=SlotArgs(slots, block_table, row_requests, block_size, num_blocks))
+    return out, slots

@@ -17,8 +17,9 @@ INT_MAX = tl.constexpr(2**31 - 1)
 
 @triton.jit
 def order_key(x):
-    """fp32 -> int32 key with the same order (its own inverse on the bits)."""
-    b = x.to(tl.int32, bitcast=True)
+    """fp32 or bf16 -> int32 key with the same order (from the fp32 bits, where the map is
+    its own inverse)."""
+    b = x.to(tl.float32).to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) & 0x7FFFFFFF)
 
 
@@ -108,17 +109,25 @@ def narrow(lo, hi, c_lo, m1, m2, c1, c2, need):
 
 
 @triton.jit
-def kth_search(keys, member, need, need_hi):
+def _min_max(a_lo, a_hi, b_lo, b_hi):
+    return tl.minimum(a_lo, b_lo), tl.maximum(a_hi, b_hi)
+
+
+@triton.jit
+def kth_search(keys, member, count, need, need_hi):
     """A key ``t`` with ``need <= count(key >= t) <= need_hi``, or, when no key has such a
     count, with ``count(key >= t) >= need > count(key > t)``; returns (t, count(key >= t)).
-    Requires ``1 <= need <= count(member) <= 2**15``; non-member keys must be ``INT_MIN``.
+    Requires ``1 <= need <= count = count(member) <= 2**15``; non-member keys must be
+    ``INT_MIN``.
 
-    Trisection of the key bracket ``[lo, hi)``: both pivots are counted by one block
-    reduction (the counts packed in 16-bit halves), so a step costs what a bisection step
-    does and cuts the bracket to a third."""
-    lo = tl.min(tl.where(member, keys, INT_MAX)).to(tl.int64)
-    hi = tl.max(keys).to(tl.int64) + 1
-    c_lo = tl.sum(member.to(tl.int32))
+    Trisection of the key bracket ``[lo, hi)`` (from one reduction of both ends): both
+    pivots are counted by one block reduction (the counts packed in 16-bit halves), so a
+    step costs what a bisection step does and cuts the bracket to a third."""
+    lo, top = tl.reduce((tl.ravel(tl.where(member, keys, INT_MAX)), tl.ravel(keys)), 0,
+                        _min_max)
+    lo = lo.to(tl.int64)
+    hi = top.to(tl.int64) + 1
+    c_lo = count
     while (hi - lo > 1) & ((c_lo < need) | (c_lo > need_hi)):
         m1, m2 = next_pivots(lo, hi)
         packed = tl.sum((keys >= m1.to(tl.int32)).to(tl.int32)
@@ -129,11 +138,11 @@ def kth_search(keys, member, need, need_hi):
 
 
 @triton.jit
-def select_write(keys, idx, member, k, out_row, N: tl.constexpr):
+def select_write(keys, idx, member, count, k, out_row, N: tl.constexpr):
     """Writes the output indices ``idx`` of the k largest member keys of an ``[R, C]`` tile
-    (N elements, ``count(member) > k``; ties: the first in column-major order)."""
+    (N elements, ``count = count(member) > k``; ties: the first in column-major order)."""
     keys = tl.where(member, keys, INT_MIN)
-    t, _ = kth_search(keys, member, k, k)
+    t, _ = kth_search(keys, member, count, k, k)
     # keys > t are all taken (fewer than k), then keys == t up to k
     gt = member & (keys > t)
     eq = member & (keys == t)

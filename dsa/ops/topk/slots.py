@@ -25,20 +25,27 @@ from dsa.ops.kcache import padded_block_table
 INT32_MAX = 2**31 - 1
 
 
-@dsa_op("indices_to_slots")
-def _indices_to_slots_out(indices: Tensor, block_table: Tensor, row_requests: Tensor,
-                          block_size: int, num_blocks: int) -> Tensor:
-    op = "indices_to_slots"
-    check_tensor(op, "indices", indices, dtype=INDEX_DTYPES, ndim=2, contiguous=True)
-    check_block_table(op, block_table, indices)
+def check_slot_args(op: str, block_table: Tensor, row_requests: Tensor, rows: int,
+                    like: Tensor, block_size: int, num_blocks: int) -> None:
+    """The slot transform's arguments for ``rows`` rows on ``like``'s device."""
+    check_block_table(op, block_table, like)
     check_tensor(op, "row_requests", row_requests, dtype=INDEX_DTYPES, ndim=1, contiguous=True,
-                 like=indices)
-    check_size(op, "row_requests", row_requests, 0, indices.shape[0], "rows = indices.shape[0]")
+                 like=like)
+    check_size(op, "row_requests", row_requests, 0, rows, "one request per row")
     check_int(op, "block_size", block_size, low=1)
     check_int(op, "num_blocks", num_blocks, low=0)
     if num_blocks * block_size > INT32_MAX + 1:
         raise ValueError(f"dsa.{op}: the cache's slots must fit int32: num_blocks * block_size "
                          f"<= 2**31, got {num_blocks} * {block_size}")
+
+
+@dsa_op("indices_to_slots")
+def _indices_to_slots_out(indices: Tensor, block_table: Tensor, row_requests: Tensor,
+                          block_size: int, num_blocks: int) -> Tensor:
+    op = "indices_to_slots"
+    check_tensor(op, "indices", indices, dtype=INDEX_DTYPES, ndim=2, contiguous=True)
+    check_slot_args(op, block_table, row_requests, indices.shape[0], indices, block_size,
+                    num_blocks)
     return torch.empty_like(indices)
 
 
@@ -57,18 +64,32 @@ def _indices_to_slots_cpu(indices: Tensor, block_table: Tensor, row_requests: Te
 
 
 @triton.jit
+def slot_of(i, table_row, req_ok, width, num_blocks, BS: tl.constexpr):
+    """Slot of position ``i`` through the block table row at ``table_row`` (read only where
+    ``req_ok``, i.e. the row's request is in ``[0, num_reqs)``); -1 where there is none."""
+    col = i // BS
+    ok = (i >= 0) & req_ok & (col < width)
+    blk = tl.load(table_row + col, mask=ok, other=-1)
+    slot = blk.to(tl.int64) * BS + i % BS
+    return tl.where(ok & (blk >= 0) & (blk < num_blocks), slot, -1)
+
+
+@triton.jit
+def request_row(table_ptr, table_stride, req, num_reqs):
+    """(table row of request ``req``, whether ``req`` is in ``[0, num_reqs)``)."""
+    req_ok = tl.where((req >= 0) & (req < num_reqs), True, False)  # int1 in the interpreter
+    return table_ptr + tl.where(req_ok, req, 0).to(tl.int64) * table_stride, req_ok
+
+
+@triton.jit
 def _indices_to_slots_kernel(idx_ptr, bt_ptr, bt_stride, req_ptr, out_ptr, num_elems, k,
                              num_reqs, width, num_blocks, BS: tl.constexpr, BLOCK: tl.constexpr):
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = e < num_elems
     i = tl.load(idx_ptr + e, mask=in_range, other=-1)
-    req = tl.load(req_ptr + e // k, mask=in_range, other=-1)
-    col = i // BS
-    ok = (i >= 0) & (req >= 0) & (req < num_reqs) & (col < width)
-    blk = tl.load(bt_ptr + req.to(tl.int64) * bt_stride + col, mask=ok, other=-1)
-    slot = blk.to(tl.int64) * BS + i % BS
-    tl.store(out_ptr + e, tl.where(ok & (blk >= 0) & (blk < num_blocks), slot, -1),
-             mask=in_range)
+    table_row, req_ok = request_row(bt_ptr, bt_stride,
+                                    tl.load(req_ptr + e // k, mask=in_range, other=-1), num_reqs)
+    tl.store(out_ptr + e, slot_of(i, table_row, req_ok, width, num_blocks, BS), mask=in_range)
 
 
 @_indices_to_slots_out.cuda
