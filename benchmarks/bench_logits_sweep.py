@@ -20,7 +20,6 @@ shape the fastest configs, the default (``paged_logits_config``) and DeepGEMM.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import sys
@@ -34,7 +33,14 @@ from dsa.ops.logits import deepgemm, paged_backend
 from dsa.ops.logits.paged import PagedLogitsConfig, paged_logits_config, paged_logits_triton
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import copy_bandwidth_bytes_per_s, graph_us, markdown_table, report
+from _report import (
+    bench_parser,
+    copy_bandwidth_bytes_per_s,
+    graph_us,
+    markdown_table,
+    publish,
+    report,
+)
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 64, 128, 64
 L2_BYTES = 50 * 2**20
@@ -206,10 +212,7 @@ def run_table(out: str | None) -> None:
                "medians of a one-call CUDA graph replayed by do_bench with 256 MB written "
                f"before each replay (L2 cold); dsa v{dsa.__version__}"),
     )
-    print(text)
-    if out:
-        with open(out, "a") as f:
-            f.write("\n" + text)
+    publish(text, out)
 
 
 # --- the launch-parameter sweep ----------------------------------------------------------------
@@ -274,10 +277,9 @@ def run_sweep(top: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser()
     parser.add_argument("--sweep", action="store_true", help="sweep the launch parameters")
     parser.add_argument("--top", type=int, default=5, help="fastest configs shown per shape")
-    parser.add_argument("--out", help="append the table's report to this markdown file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_logits_sweep needs a CUDA GPU")

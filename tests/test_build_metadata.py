@@ -103,7 +103,8 @@ def test_decode_metadata_spec_example():
 def test_decode_metadata_dcp_localises_after_expansion():
     """design §6: world 2, rank 1, global per-token [8, 9, 10] -> [4, 4, 5]."""
     cfg = dsa.IndexerConfig(max_num_reqs=1, max_num_batched_tokens=3, max_model_len=64,
-                            block_size=16, next_n=3, dcp_world=2, dcp_rank=1)
+                            block_size=16, next_n=3, dcp_world=2, dcp_rank=1,
+                            decode_layout="flat")
     batch = Batch(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([10], dtype=torch.int32),
                   torch.zeros(1, 2, dtype=torch.int32), torch.full((3,), -1),
                   torch.tensor([7, 8, 9]))
@@ -180,7 +181,8 @@ def test_build_decode_metadata_validation(kwargs, match):
 COMPILE_CONFIGS = {
     "next_n1": {"next_n": 1},
     "next_n2_native": {"next_n": 2},
-    "next_n3_flat": {"next_n": 3},
+    "next_n3_flat": {"next_n": 3, "decode_layout": "flat"},
+    "next_n4_native": {"next_n": 4},
     "compress4_dcp2_rank1_kpool": {"next_n": 2, "compress_ratio": 4, "dcp_world": 2,
                                    "dcp_rank": 1, "kpool": 8},
 }

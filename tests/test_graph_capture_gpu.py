@@ -85,7 +85,8 @@ def strict_replay():
 CONFIGS = {
     "next_n1": {"next_n": 1},
     "next_n2_native": {"next_n": 2},
-    "next_n3_flat": {"next_n": 3},
+    "next_n3_flat": {"next_n": 3, "decode_layout": "flat"},
+    "next_n4_native": {"next_n": 4},
     "compress4": {"next_n": 2, "compress_ratio": 4},
     "next_n1_triton": {"next_n": 1, "logits_backend": "triton"},
     "next_n2_triton": {"next_n": 2, "logits_backend": "triton"},
@@ -97,7 +98,8 @@ CONFIGS = {
 CASES = [("next_n1", "inductor"), ("next_n2_native", "inductor"), ("next_n3_flat", "inductor"),
          ("compress4", "inductor"), ("next_n2_native", "aot_eager"),
          ("next_n3_flat", "aot_eager"), ("next_n1_triton", "aot_eager"),
-         ("next_n2_triton", "aot_eager"), ("next_n2_num_blocks", "inductor")]
+         ("next_n2_triton", "aot_eager"), ("next_n2_num_blocks", "inductor"),
+         ("next_n4_native", "inductor")]
 
 
 @pytest.mark.parametrize(("name", "compile_backend"), CASES)
