@@ -118,10 +118,9 @@ def check_errors(rank: int, world: int, group: dist.ProcessGroup, logits: torch.
            ({"world": world, "rank": (rank + 1) % world}, ValueError, "must be rank dcp_rank="),
            ({"world": world, "rank": rank, "interleave": 2}, NotImplementedError,
             "interleave > 1")]
-    for kwargs, error, match in bad:
-        for fn, expected in ((dcp_topk, error),
-                             (torch.compile(dcp_topk, fullgraph=True, backend="eager"),
-                              RuntimeError)):
+    traced = torch.compile(dcp_topk, fullgraph=True, backend="eager")
+    for i, (kwargs, error, match) in enumerate(bad):
+        for fn, expected in ((dcp_topk, error), (traced, RuntimeError))[: 2 if i == 0 else 1]:
             try:
                 fn(logits, lengths, 8, group, **kwargs)
             except expected as e:
@@ -277,9 +276,62 @@ def step_worker(rank: int, world: int, store_path: str, backend: str, steps: int
         full = make_layer(step.full_cfg, alone, device, step, step.full_slots)
         mine = make_layer(step.rank_cfg, dist.group.WORLD, device, step, step.rank_slots)
         run = step_fn(step.rank_cfg, mine)
-        if compile_backend is not None and i < len(STEP_CONFIGS):
+        if compile_backend is not None and i == len(STEP_CONFIGS) - 2:  # R = 4, MTP
             run = torch.compile(run, fullgraph=True, dynamic=False, backend=compile_backend)
         want = step_fn(step.full_cfg, full)(step.full_batch, step.hidden, step.q_latent)
         out = run(step.rank_batch, step.hidden, step.q_latent)
         check_step_outputs(rank, world, step, out, want)
+    dist.destroy_process_group()
+
+
+# --- GPU: NCCL, torch.compile, one CUDA graph per rank ---------------------------------------
+
+
+def capture(fn: Callable, *args) -> tuple[Callable[[], object], object]:
+    """``fn(*args)`` warmed up on a side stream, then captured as one CUDA graph; returns
+    (replay, the graph's outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+    return graph.replay, out
+
+
+def gpu_worker(rank: int, world: int, store_path: str, compile_backend: str) -> None:
+    init(rank, world, store_path, "nccl")
+    group = dist.group.WORLD
+    rng = torch.Generator().manual_seed(99)
+    for rows, n, k in ((8, 2 * 32768, 2048), (64, 2 * 8192, 2048), (3, 5000, 2048)):
+        logits, lengths = random_rows(rng, rows, n, k)
+        check_sharded_rows(rank, world, logits.cuda(), lengths.cuda(), k, group)
+    alone = self_groups(world)
+    compile_step = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False,
+                                            backend=compile_backend)
+    for i, overrides in enumerate(STEP_CONFIGS):
+        step = sharded_step(200 + i, world, rank, "cuda", **overrides)
+        args = (step.rank_batch, step.hidden, step.q_latent)
+        full = make_layer(step.full_cfg, alone, "cuda", step, step.full_slots)
+        want = compile_step(step_fn(step.full_cfg, full))(step.full_batch, step.hidden,
+                                                          step.q_latent)
+        run = compile_step(step_fn(step.rank_cfg, make_layer(step.rank_cfg, group, "cuda",
+                                                             step, step.rank_slots)))
+        uncaptured = run(*args)
+        replay, out = capture(run, *args)
+        replays = []
+        for _ in range(20):
+            replay()
+            replays.append([t.clone() for t in (out.indices, out.slots, out.global_indices)])
+        torch.cuda.synchronize()
+        for again in replays:
+            for got, expect in zip(again, (uncaptured.indices, uncaptured.slots,
+                                           uncaptured.global_indices)):
+                assert torch.equal(got, expect), f"config {overrides}: replay != uncaptured"
+        check_step_outputs(rank, world, step, out, want)
+    dist.barrier()
     dist.destroy_process_group()

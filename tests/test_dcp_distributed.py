@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 
 def gloo_worker(rank: int, world: int, store_path: str) -> None:
-    op_worker(rank, world, store_path + ".ops", "gloo", cases=25)
-    step_worker(rank, world, store_path + ".steps", "gloo", steps=8,
+    op_worker(rank, world, store_path + ".ops", "gloo", cases=20)
+    step_worker(rank, world, store_path + ".steps", "gloo", steps=8 if world == 2 else 4,
                 compile_backend="aot_eager" if world == 2 else None)
 
 
