@@ -28,14 +28,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dsa
-from dsa.distributed import all_gather
+from dsa.distributed import NCCL_NO_MULTICAST, all_gather
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import markdown_table, report
 from bench_leaves import random_cache
 
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
 SHAPES = [(b, n) for n in (131072, 262144) for b in (1, 8, 64)]
 HIDDEN, Q_LORA_RANK, TOPK, BS, WORLD = 7168, 1536, 2048, 64, 2
 
@@ -151,7 +149,7 @@ def bench_shape(rank: int, batch: int, length: int, group: dist.ProcessGroup) ->
 
 def worker(rank: int, store_path: str, shapes: list[tuple[int, int]], out: str | None,
            command: str) -> None:
-    os.environ.update(NCCL_ENV)
+    os.environ.update(NCCL_NO_MULTICAST)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", store=dist.FileStore(store_path, WORLD), rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=600))
@@ -201,7 +199,7 @@ def main() -> None:
     args = parser.parse_args()
     if torch.cuda.device_count() < WORLD:
         sys.exit(f"bench_dcp: needs {WORLD} GPUs, found {torch.cuda.device_count()}")
-    os.environ.update(NCCL_ENV)
+    os.environ.update(NCCL_NO_MULTICAST)
     command = "python benchmarks/bench_dcp.py" + (f" --shapes {args.shapes}" if args.shapes
                                                   else "")
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,6 +23,11 @@ from dsa.ops.dcp import global_positions
 
 ops = torch.ops.dsa
 
+# Environment that keeps NCCL and symmetric memory off NVLink multicast (NVLS), for hosts
+# where it is unavailable or unwanted; set it in every process before the first collective.
+NCCL_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"}
+
 
 def check_dcp_group(op: str, group: dist.ProcessGroup, world: int, rank: int,
                     interleave: int = 1) -> None:

@@ -20,13 +20,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dsa
-from dsa.distributed import dcp_topk
+from dsa.distributed import NCCL_NO_MULTICAST, dcp_topk
 from dsa.graphs import pad_batch
 from dsa.ops.dcp import global_positions, local_share
 
-# NVLink multicast (NVLS) stays off on the GPU machines.
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
 HIDDEN, Q_LORA_RANK = 32, 16
 
 
@@ -47,7 +44,7 @@ def spawn(fn: Callable, world: int, *args, timeout: float = 120.0) -> None:
 
 
 def init(rank: int, world: int, store_path: str, backend: str) -> None:
-    os.environ.update(NCCL_ENV)
+    os.environ.update(NCCL_NO_MULTICAST)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank,

@@ -3,7 +3,8 @@
 Each rank's whole decode step (metadata, K write, local logits, local top-k, all-gather,
 merge, ownership, slots) is compiled with ``fullgraph=True`` and captured as one CUDA graph;
 20 replays equal the uncaptured step, and the selection equals that of one GPU holding the
-whole K cache. NVLink multicast stays off (``dcp_workers.NCCL_ENV``, set in every process).
+whole K cache. NVLink multicast stays off (``dsa.distributed.NCCL_NO_MULTICAST``, set in
+every process).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from dcp_workers import NCCL_ENV, gpu_worker, op_worker, spawn
+from dcp_workers import gpu_worker, op_worker, spawn
+
+from dsa.distributed import NCCL_NO_MULTICAST
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,7 +27,7 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def nccl_env(monkeypatch):
-    for name, value in NCCL_ENV.items():
+    for name, value in NCCL_NO_MULTICAST.items():
         monkeypatch.setenv(name, value)
 
 
