@@ -182,6 +182,15 @@ def test_merge_kernel(case):
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
+def test_merge_example(face):
+    """Design §11's example: W = 2, k = 3; the tie at .9 goes to the lower position."""
+    scores = torch.tensor([[[.9, .5, .5]], [[.9, .7, -INF]]])
+    indices, merged = run_op(face, "dcp_merge_topk", scores, i32([[[4, 0, 2]], [[1, 3, -1]]]))
+    assert indices.tolist() == [[1, 4, 3]]
+    assert torch.equal(merged, torch.tensor([[.9, .9, .7]]))
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
 def test_merge_takes_any_candidate_order(face):
     """Candidates need not be sorted; -1 entries are no candidates, wherever they are."""
     gen = torch.Generator().manual_seed(7)
