@@ -31,7 +31,7 @@ import dsa
 from dsa.distributed import NCCL_NO_MULTICAST, all_gather
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import markdown_table, report
+from _report import markdown_table, publish, report
 from bench_leaves import random_cache
 
 SHAPES = [(b, n) for n in (131072, 262144) for b in (1, 8, 64)]
@@ -177,10 +177,7 @@ def worker(rank: int, store_path: str, shapes: list[tuple[int, int]], out: str |
                    "auto; each rank holds half of every context; CUDA-graph replay device "
                    "time; topk_scored / topk_indices: one rank's logits (L / 2 columns)"),
         )
-        print(text)
-        if out:
-            with open(out, "a") as f:
-                f.write("\n" + text)
+        publish(text, out)
     dist.barrier()
     dist.destroy_process_group()
 

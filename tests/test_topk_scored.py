@@ -8,15 +8,13 @@ import numpy as np
 import pytest
 import torch
 from faces import (
-    CPU_EXAMPLES,
     FACE_NAMES,
-    KERNEL_MARK,
+    face_tests,
     i32,
     opcheck_test,
     run_op,
     validation_test,
 )
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa.ops.dcp import global_positions, local_share, owned_indices
@@ -82,17 +80,13 @@ def check_scored(face: str, logits: torch.Tensor, lengths: torch.Tensor, k: int)
     check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), got)
 
 
-@CPU_EXAMPLES
-@given(case=scored_cases())
-def test_topk_scored_cpu(case):
-    check_scored("cpu", *case)
+def topk_scored(face: str, case: tuple) -> None:
+    check_scored(face, *case)
 
 
-@KERNEL_MARK
-@settings(max_examples=12)
-@given(case=scored_cases(max_rows=2, max_cols=120, ks=(1, 5, 16)))
-def test_topk_scored_kernel(case):
-    check_scored("kernel", *case)
+test_topk_scored_cpu, test_topk_scored_kernel = face_tests(
+    topk_scored, {"case": scored_cases()},
+    {"case": scored_cases(max_rows=2, max_cols=120, ks=(1, 5, 16))})
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
@@ -168,17 +162,13 @@ def check_merge(face: str, logits: torch.Tensor, lengths: torch.Tensor, k: int,
     check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), got)
 
 
-@CPU_EXAMPLES
-@given(case=merge_cases())
-def test_merge_cpu(case):
-    check_merge("cpu", *case)
+def merge(face: str, case: tuple) -> None:
+    check_merge(face, *case)
 
 
-@KERNEL_MARK
-@settings(max_examples=12)
-@given(case=merge_cases(max_rows=2, max_cols=120, ks=(1, 5, 16)))
-def test_merge_kernel(case):
-    check_merge("kernel", *case)
+test_merge_cpu, test_merge_kernel = face_tests(
+    merge, {"case": merge_cases()},
+    {"case": merge_cases(max_rows=2, max_cols=120, ks=(1, 5, 16))})
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
