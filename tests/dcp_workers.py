@@ -79,14 +79,14 @@ def random_rows(rng: torch.Generator, rows: int, n: int, k: int) -> tuple[torch.
 
 def check_sharded_rows(rank: int, world: int, logits: torch.Tensor, lengths: torch.Tensor,
                        k: int, group: dist.ProcessGroup, topk: Callable = dcp_topk) -> None:
-    """This rank's shard through ``topk`` equals topk_scored over the whole rows, and the
-    ranks' owned keys partition the selection."""
+    """This rank's shard through ``topk`` equals topk_scored (the CPU face) over the whole
+    rows, position for position."""
     local = logits[:, rank::world].contiguous()
     lens = local_share(lengths, world, rank, 1).int()
     indices, scores = topk(local, lens, k, group, world=world, rank=rank)
-    want_indices, want_scores = torch.ops.dsa.topk_scored(logits, lengths, k)
-    assert torch.equal(indices.cpu(), want_indices.cpu()), (indices, want_indices)
-    assert torch.equal(scores.cpu().view(torch.int32), want_scores.cpu().view(torch.int32))
+    want_indices, want_scores = torch.ops.dsa.topk_scored(logits.cpu(), lengths.cpu(), k)
+    assert torch.equal(indices.cpu(), want_indices), (indices, want_indices)
+    assert torch.equal(scores.cpu().view(torch.int32), want_scores.view(torch.int32))
 
 
 def op_worker(rank: int, world: int, store_path: str, backend: str, cases: int) -> None:
@@ -156,7 +156,7 @@ class ShardedStep:
 def step_configs(world: int, rank: int, **overrides) -> tuple[dsa.IndexerConfig,
                                                              dsa.IndexerConfig]:
     base = dict(max_num_reqs=4, max_num_batched_tokens=16, max_model_len=256, num_heads=4,
-                head_dim=32, topk=16, block_size=8, **overrides)
+                head_dim=32, topk=16, block_size=16, **overrides)
     full = dsa.IndexerConfig(**base)
     full = dataclasses.replace(full, num_blocks=4 * full.max_blocks_per_req)
     shard = dsa.IndexerConfig(**base, dcp_world=world, dcp_rank=rank)

@@ -13,9 +13,11 @@ order-preserving int32 keys (the float order, with -0 < +0, +NaN above +inf and 
   -1 / -inf padded. With each rank's ``topk_scored`` over its shard, in global positions,
   this is the top-k of the unsharded row (a global winner also wins within its shard).
 
-CUDA faces: ``topk_scored`` takes the exact set of ``topk_indices``' kernels, keeps its keys
-above the k-th largest one, sorts them, and replaces the keys equal to it by the lowest
-columns holding that key (one pass over the row up to the last of them). ``dcp_merge_topk``
+CUDA faces: ``topk_scored`` takes an exact top-(k + 1) set from ``topk_indices``' kernels;
+with m its smallest key (the (k + 1)-th largest of the row), its keys above m are sorted;
+only when they are fewer than k (m is also the k-th largest: a tie at the threshold) one
+pass over the row, up to the last column of m in the set, fills the remaining slots with
+the lowest columns holding m. ``dcp_merge_topk``
 sorts each token's ``W * k`` candidates in one program. Both sort on one int64 per entry:
 the key in the high half, ``2**31 - 1 - position`` in the low half.
 """
@@ -95,20 +97,32 @@ def _topk_scored_cpu(logits: Tensor, lengths: Tensor, k: int) -> tuple[Tensor, T
 @triton.jit
 def _topk_scored_kernel(logits_ptr, stride_row, sel_ptr, idx_ptr, score_ptr, k,
                         KP: tl.constexpr, BLOCK: tl.constexpr):
-    """Program per row: ``sel`` holds an exact top-k set (ties free). Its keys above the
-    smallest one t are written sorted; the keys equal to t are the lowest columns holding t,
-    found by one pass up to the last such column of the set."""
+    """Program per row: ``sel`` holds an exact top-(k + 1) set (ties free), its last entry
+    apart. With m the smallest of its keys, the keys above m are written sorted; when they
+    are fewer than k, the k-th largest key is m and the remaining slots take the lowest
+    columns holding m, found by one pass up to the last such column of the set."""
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    sel_row = sel_ptr + row.to(tl.int64) * (k + 1)
     out = row.to(tl.int64) * k
     j = tl.arange(0, KP)
-    idx = tl.load(sel_ptr + out + j, mask=j < k, other=-1)
+    idx = tl.load(sel_row + j, mask=j < k, other=-1)
     taken = idx >= 0
     key = order_key(tl.load(row_ptr + idx, mask=taken, other=0.0))
-    count = tl.sum(taken.to(tl.int32))
-    t = tl.min(tl.where(taken, key, INT_MAX))
-    above = taken & (key > t)
+    extra = tl.load(sel_row + k)
+    full = extra >= 0  # more than k valid columns
+    extra_key = order_key(tl.load(row_ptr + tl.maximum(extra, 0), mask=full, other=0.0))
+    kept = tl.where(taken, key, INT_MAX)
+    m = tl.minimum(tl.min(kept), tl.where(full, extra_key, INT_MAX))
+    # the extra entry takes the place of one entry holding m when it is larger
+    swap = (j == tl.argmin(kept, 0)) & full & (extra_key > m)
+    last = tl.max(tl.where(taken & (key == m), idx, -1))
+    last = tl.maximum(last, tl.where(full & (extra_key == m), extra, -1))
+    idx = tl.where(swap, extra, idx)
+    key = tl.where(swap, extra_key, key)
+    above = taken & ((key > m) | (extra < 0))
     n_above = tl.sum(above.to(tl.int32))
+    count = tl.where(full, k, tl.sum(taken.to(tl.int32)))
     entry = tl.where(above, (key.to(tl.int64) << 32) | (2147483647 - idx).to(tl.int64),
                      -9223372036854775808)
     entry = tl.sort(entry, descending=True)
@@ -120,20 +134,20 @@ def _topk_scored_kernel(logits_ptr, stride_row, sel_ptr, idx_ptr, score_ptr, k,
     pad = (j >= count) & (j < k)
     tl.store(idx_ptr + out + j, tl.full([KP], -1, tl.int32), mask=pad)
     tl.store(score_ptr + out + j, tl.full([KP], float("-inf"), tl.float32), mask=pad)
-    # slots n_above .. count - 1: the first columns whose key is t
+    # slots n_above .. count - 1: the first columns holding m (none when count == n_above)
     need = count - n_above
-    last = tl.max(tl.where(taken & (key == t), idx, -1))
-    t_score = (t ^ ((t >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    last = tl.where(need > 0, last, -1)
+    m_score = (m ^ ((m >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
     seen = tl.zeros([], tl.int32)
     for c in range(0, last + 1, BLOCK):
         cols = c + tl.arange(0, BLOCK)
         inside = cols <= last
-        equal = inside & (order_key(tl.load(row_ptr + cols, mask=inside, other=0.0)) == t)
+        equal = inside & (order_key(tl.load(row_ptr + cols, mask=inside, other=0.0)) == m)
         flags = equal.to(tl.int32)
         rank = seen + tl.cumsum(flags, 0) - flags
         write = equal & (rank < need)
         tl.store(idx_ptr + out + n_above + rank, cols, mask=write)
-        tl.store(score_ptr + out + n_above + rank, tl.zeros([BLOCK], tl.float32) + t_score,
+        tl.store(score_ptr + out + n_above + rank, tl.zeros([BLOCK], tl.float32) + m_score,
                  mask=write)
         seen += tl.sum(flags)
 
@@ -149,7 +163,7 @@ def launch_topk_scored(logits: Tensor, lengths: Tensor, k: int, *, indices: Tens
         scores = logits.new_empty((rows, k), dtype=torch.float32)
     if rows == 0:
         return indices, scores
-    selected = launch_topk(logits, lengths, k)
+    selected = launch_topk(logits, lengths, k + 1)
     _topk_scored_kernel[(rows,)](logits, logits.stride(0), selected, indices, scores, k,
                                  KP=triton.next_power_of_2(k), BLOCK=block, num_warps=8)
     return indices, scores
