@@ -4,10 +4,10 @@ Importing ``dsa`` registers ``torch.ops.dsa.*``. The public API: ``IndexerConfig
 ``Batch``, ``build_decode_metadata`` / ``build_prefill_metadata`` and their metadata types,
 the ``Indexer`` layer (``Indexer.from_hf_config``, ``Indexer.load_checkpoint`` for DeepSeek
 V3.2 checkpoints) with its ``YarnScaling`` RoPE, and ``dsa.graphs`` for CUDA-graph capture of
-decode steps.
+decode steps; ``dsa.distributed`` for the exact top-k across DCP ranks.
 """
 
-from dsa import ops
+from dsa import distributed, ops
 from dsa.config import IndexerConfig
 from dsa.indexer import Indexer, IndexerOutput
 from dsa.meta import (
@@ -34,6 +34,7 @@ __all__ = [
     "YarnScaling",
     "build_decode_metadata",
     "build_prefill_metadata",
+    "distributed",
     "ops",
     "split_prefill_chunks",
 ]

@@ -12,11 +12,13 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from dsa import distributed
 from dsa._pytree import pytree_dataclass
 from dsa.config import IndexerConfig
 from dsa.meta.decode import DecodeMetadata
 from dsa.meta.prefill import PrefillMetadata
 from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor
+from dsa.ops.dcp import owned_indices
 from dsa.rope import YarnScaling, rope_scaling_from_hf, rope_table
 
 ops = torch.ops.dsa
@@ -33,10 +35,15 @@ class IndexerOutput:
         indices: int32 ``[T, topk]`` selected key positions of each token, relative to its
             request's sequence (compressed states when R > 1); -1 in unused slots.
         slots: int32 ``[T, topk]`` the same keys as global K-cache slots; -1 where unused.
+        global_indices: with a DCP group (decode), int32 ``[T, topk]`` the exact top-k of
+            the whole sequence as global positions, score descending, ties to the lower
+            position, the same on every rank; ``indices`` and ``slots`` then hold only the
+            keys this rank owns (-1 for the others). ``None`` otherwise.
     """
 
     indices: Tensor
     slots: Tensor
+    global_indices: Tensor | None = None
 
 
 class Indexer(nn.Module):
@@ -49,6 +56,11 @@ class Indexer(nn.Module):
     DeepSeek's reference, ``k_norm`` and ``weights_proj`` (which gives the head weights) keep
     fp32 parameters and compute in fp32.
     ``rope_scaling``: YaRN for the RoPE table, ``None`` for plain RoPE.
+
+    DCP (``cfg.dcp_world > 1``): the cache holds this rank's shard. With ``dcp_group`` (the
+    process group of the ``dcp_world`` ranks, this process being ``cfg.dcp_rank``), decode
+    selects the exact top-k of the whole sequence across the ranks (``dsa.distributed``,
+    design §11); without it, and in prefill, each rank selects among its own keys only.
 
     The K cache has ``cfg.num_blocks`` blocks (required): metadata built from a config with
     the same ``num_blocks`` keeps every length, and so every selection, inside the cache, and
@@ -69,10 +81,15 @@ class Indexer(nn.Module):
         rope_theta: float = 10000.0,
         rope_scaling: YarnScaling | None = None,
         hadamard: bool = True,
+        dcp_group: torch.distributed.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__()
+        if dcp_group is not None:
+            distributed.check_dcp_group("Indexer", dcp_group, cfg.dcp_world, cfg.dcp_rank,
+                                        cfg.dcp_interleave)
+        self.dcp_group = dcp_group
         if cfg.num_blocks is None:
             raise ValueError("Indexer: IndexerConfig.num_blocks (the K cache's blocks) must be "
                              "set, so the metadata keeps every selection inside the cache")
@@ -193,11 +210,12 @@ class Indexer(nn.Module):
         rotation = (self.rope_cos_sin, positions, self.hadamard, cfg.ue8m0_scales)
         ops.rope_hadamard_quantize_and_cache_k(k, self.kv_cache, meta.slot_mapping, *rotation)
         q_fp8, head_weights = ops.rope_hadamard_quantize_q(q, weights, *rotation)
+        global_indices = None
         if isinstance(meta, DecodeMetadata):
-            indices, slots = self._decode_topk(q_fp8, head_weights, meta)
+            indices, slots, global_indices = self._decode_topk(q_fp8, head_weights, meta)
         else:
             indices, slots = self._prefill_topk(q_fp8, head_weights, meta)
-        return IndexerOutput(indices=indices, slots=slots)
+        return IndexerOutput(indices=indices, slots=slots, global_indices=global_indices)
 
     def _select(self, logits: Tensor, lens: Tensor, meta: DecodeMetadata | PrefillMetadata,
                 tokens: slice) -> tuple[Tensor, Tensor]:
@@ -236,7 +254,7 @@ class Indexer(nn.Module):
         return q, k, F.linear(hidden.float(), self.weights_proj.weight.float())
 
     def _decode_topk(self, q_fp8: Tensor, head_weights: Tensor, meta: DecodeMetadata
-                     ) -> tuple[Tensor, Tensor]:
+                     ) -> tuple[Tensor, Tensor, Tensor | None]:
         cfg = self.cfg
         rows = meta.context_lens.shape[0]
         if meta.packed:
@@ -252,16 +270,27 @@ class Indexer(nn.Module):
             logits = ops.paged_mqa_logits_deepgemm(*args, meta.schedule)
         else:
             logits = ops.paged_mqa_logits(*args)
-        if not meta.packed:  # logits rows are the tokens
-            return self._select(logits, meta.context_lens, meta, slice(None))
-        indices = ops.topk_indices(logits, meta.context_lens, cfg.topk)
-        indices = ops.unpack_decode_rows(
-            indices.view(rows, meta.next_n, cfg.topk), meta.query_start_loc, meta.num_tokens,
-        )
+        if self.dcp_group is None and not meta.packed:  # logits rows are the tokens
+            return *self._select(logits, meta.context_lens, meta, slice(None)), None
+        if self.dcp_group is None:
+            indices = ops.topk_indices(logits, meta.context_lens, cfg.topk)
+        else:  # global positions
+            indices, _ = distributed.dcp_topk(logits, meta.context_lens, cfg.topk,
+                                              self.dcp_group, world=cfg.dcp_world,
+                                              rank=cfg.dcp_rank)
+        if meta.packed:
+            indices = ops.unpack_decode_rows(
+                indices.view(rows, meta.next_n, cfg.topk), meta.query_start_loc,
+                meta.num_tokens,
+            )
         indices = torch.where(meta.valid_tokens[:, None], indices, -1)
-        return indices, ops.indices_to_slots(indices, meta.request_block_table,
-                                             meta.token_requests, cfg.block_size,
-                                             self.kv_cache.shape[0])
+        global_indices = None
+        if self.dcp_group is not None:
+            global_indices = indices
+            indices = owned_indices(global_indices, cfg.dcp_world, cfg.dcp_rank)
+        slots = ops.indices_to_slots(indices, meta.request_block_table, meta.token_requests,
+                                     cfg.block_size, self.kv_cache.shape[0])
+        return indices, slots, global_indices
 
     def _prefill_topk(self, q_fp8: Tensor, head_weights: Tensor, meta: PrefillMetadata
                       ) -> tuple[Tensor, Tensor]:

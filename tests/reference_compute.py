@@ -290,6 +290,36 @@ def indices_to_slots(indices: np.ndarray, block_table: np.ndarray, row_requests:
     return out
 
 
+# --- top-k in one total order (design §3, §11) -----------------------------------------------
+
+
+def score_key(x: float) -> int:
+    """The rank of fp32 ``x`` in the selection order: its bits as a signed int, the negative
+    ones' magnitude bits flipped (so -0 < +0, -NaN below -inf, +NaN above +inf)."""
+    bits = int(np.array(x, dtype=np.float32).view(np.int32))
+    return bits ^ 0x7FFFFFFF if bits < 0 else bits
+
+
+def first_k(candidates: list[tuple[float, int]], k: int) -> list[tuple[int, float]]:
+    """(position, score) of the first k of ``(score, position)`` candidates: higher score
+    first, ties to the lower position; padded with (-1, -inf) to k."""
+    ranked = sorted(candidates, key=lambda c: (-score_key(c[0]), c[1]))[:k]
+    return [(p, s) for s, p in ranked] + [(-1, -math.inf)] * (k - len(ranked))
+
+
+def topk_scored(logits: np.ndarray, lengths: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
+    """Per row: the first k of the columns ``[0, length)`` (clipped to the row)."""
+    return [first_k([(float(row[c]), c) for c in range(min(max(int(n), 0), len(row)))], k)
+            for row, n in zip(logits, lengths.reshape(-1))]
+
+
+def merge_topk(scores: np.ndarray, indices: np.ndarray) -> list[list[tuple[int, float]]]:
+    """Per token: the first k of the candidates of every rank (``[W, T, k]``; index < 0: none)."""
+    world, tokens, k = scores.shape
+    return [first_k([(float(scores[w, t, j]), int(indices[w, t, j])) for w in range(world)
+                     for j in range(k) if indices[w, t, j] >= 0], k) for t in range(tokens)]
+
+
 # --- comparisons ------------------------------------------------------------------------------
 
 

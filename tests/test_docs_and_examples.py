@@ -22,3 +22,11 @@ def test_example_runs_on_cpu(args):
     result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dcp_example_runs_on_two_cpu_processes():
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "examples/dcp_decode.py"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("selects 64 keys") == 2, result.stdout

@@ -10,6 +10,9 @@ Its share of the first ``n`` entries is::
 
 Negative lengths count as 0. Interleave > 1 is rejected when ``world > 1`` (not validated
 end to end); with ``world == 1`` every length is its own share.
+
+With interleave 1, key ``c`` of a request is rank ``c % world``'s local key ``c // world``
+(design §11): ``global_positions`` and ``owned_indices`` translate between the two.
 """
 
 from __future__ import annotations
@@ -30,6 +33,18 @@ def local_share(n: Tensor, world: int, rank: int, interleave: int) -> Tensor:
     base = n // interleave // world * interleave
     rest = n - base * world
     return base + (rest - rank * interleave).clamp(0, interleave)
+
+
+def global_positions(local: Tensor, world: int, rank: int) -> Tensor:
+    """Torch: the global position ``local * world + rank`` of each local key index of rank
+    ``rank`` (interleave 1); negative entries stay -1."""
+    return torch.where(local >= 0, local * world + rank, -1)
+
+
+def owned_indices(positions: Tensor, world: int, rank: int) -> Tensor:
+    """Torch: the local index ``c // world`` of each global position ``c`` that rank ``rank``
+    owns (``c % world == rank``, interleave 1); -1 for the others and for negative entries."""
+    return torch.where((positions >= 0) & (positions % world == rank), positions // world, -1)
 
 
 @triton.jit

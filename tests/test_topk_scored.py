@@ -1,0 +1,251 @@
+"""dsa::topk_scored and dsa::dcp_merge_topk (design §3, §11): every face against the loop
+reference, bit for bit (the order is total: score descending, ties to the lower position),
+and the merge of per-shard selections against the selection over the unsharded row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from faces import (
+    FACE_NAMES,
+    face_tests,
+    i32,
+    opcheck_test,
+    run_op,
+    validation_test,
+)
+from hypothesis import strategies as st
+
+from dsa.ops.dcp import global_positions, local_share, owned_indices
+from tests import reference_compute as ref
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                                        "ignore:invalid value encountered:RuntimeWarning")
+NAN, INF = float("nan"), float("inf")
+KINDS = ("normal", "ties", "equal", "special")
+
+
+def values(gen: torch.Generator, rows: int, n: int, kind: str) -> torch.Tensor:
+    if kind == "ties":  # few distinct values: ties decide most slots
+        return torch.randint(-2, 3, (rows, n), generator=gen).float()
+    if kind == "equal":
+        return torch.full((rows, n), 0.25)
+    if kind == "special":  # -0 < +0, NaN at both ends, infinities
+        pool = torch.tensor([0.0, -0.0, NAN, -NAN, INF, -INF, 1.0, -1.0])
+        return pool[torch.randint(len(pool), (rows, n), generator=gen)]
+    return torch.randn(rows, n, generator=gen)
+
+
+def with_junk(gen: torch.Generator, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``x`` in a row-strided view of a wider buffer, NaN and +inf past each row's length."""
+    rows, n = x.shape
+    buffer = torch.tensor([NAN, INF, 3e38])[torch.randint(3, (rows, n + 5), generator=gen)]
+    view = buffer[:, :n]
+    valid = torch.arange(n) < lengths.reshape(rows, 1).long()
+    view.copy_(torch.where(valid, x, view))
+    return view
+
+
+@st.composite
+def scored_cases(draw, max_rows=4, max_cols=300, ks=(1, 5, 16, 64)):
+    """(logits, lengths, k): lengths around 0, k and N, maybe shaped [B, 2]."""
+    rows = draw(st.integers(1, max_rows))
+    n = draw(st.integers(0, max_cols))
+    k = draw(st.sampled_from(ks))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    lens = draw(st.lists(st.sampled_from([0, 1, k - 1, k, k + 1, n, n + 5, -2, None]),
+                         min_size=rows, max_size=rows))
+    lengths = i32([int(torch.randint(0, n + 1, (1,), generator=gen)) if v is None else v
+                   for v in lens])
+    logits = with_junk(gen, values(gen, rows, n, draw(st.sampled_from(KINDS))), lengths)
+    if rows % 2 == 0 and draw(st.booleans()):
+        lengths = lengths.view(rows // 2, 2)
+    return logits, lengths, k
+
+
+def check_against(want: list[list[tuple[int, float]]], got: tuple[torch.Tensor, torch.Tensor]):
+    indices, scores = got
+    assert indices.dtype == torch.int32 and scores.dtype == torch.float32
+    want_indices = [[p for p, _ in row] for row in want]
+    want_bits = np.array([[s for _, s in row] for row in want],
+                         dtype=np.float32).reshape(scores.shape).view(np.int32)
+    assert indices.tolist() == want_indices
+    assert np.array_equal(scores.numpy().view(np.int32), want_bits)
+
+
+def check_scored(face: str, logits: torch.Tensor, lengths: torch.Tensor, k: int) -> None:
+    with ref.poisoned_empty():
+        got = run_op(face, "topk_scored", logits, lengths, k)
+    check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), got)
+
+
+def topk_scored(face: str, case: tuple) -> None:
+    check_scored(face, *case)
+
+
+test_topk_scored_cpu, test_topk_scored_kernel = face_tests(
+    topk_scored, {"case": scored_cases()},
+    {"case": scored_cases(max_rows=2, max_cols=120, ks=(1, 5, 16))})
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_topk_scored_example(face):
+    """Design §3's example, ordered, with scores; equal logits go to the lower positions."""
+    logits = torch.tensor([[.1, .9, .5, .7, NAN], [3, 1, 2, 0, 0], [1, 2, 1, 2, 1]])
+    indices, scores = run_op(face, "topk_scored", logits, i32([4, 2, 5]), 3)
+    assert indices.tolist() == [[1, 3, 2], [0, 1, -1], [1, 3, 0]]
+    assert torch.equal(scores, torch.tensor([[.9, .7, .5], [3, 1, -INF], [2, 2, 1]]))
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_topk_scored_takes_the_lowest_equal_positions(face):
+    """The k-th largest key is shared by many columns: the set takes the first ones."""
+    n, k = 600, 40
+    logits = torch.zeros(2, n)
+    logits[0, 500:510] = 1.0  # 10 above the tie, 30 of 590 equal ones from column 0
+    logits[1, ::7] = -1.0
+    check_scored(face, logits, i32([n, n - 3]), k)
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_topk_scored_empty(face):
+    assert run_op(face, "topk_scored", torch.zeros(0, 5), i32([]), 4)[0].shape == (0, 4)
+    indices, scores = run_op(face, "topk_scored", torch.zeros(2, 0), i32([3, 0]), 4)
+    assert indices.tolist() == [[-1] * 4] * 2 and scores.tolist() == [[-INF] * 4] * 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test")
+@pytest.mark.interpret
+def test_topk_scored_kernel_blocks():
+    """The pass over the equal keys in steps smaller than the row."""
+    from dsa.ops.topk.scored import launch_topk_scored
+
+    gen = torch.Generator().manual_seed(5)
+    logits = values(gen, 2, 300, "ties")
+    lengths = i32([300, 250])
+    got = launch_topk_scored(logits, lengths, 16, block=32)
+    check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), 16), got)
+
+
+# --- merge ---------------------------------------------------------------------------------
+
+
+def shard_selections(face: str, logits: torch.Tensor, lengths: torch.Tensor, k: int,
+                     world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[W, T, k]`` scores and global positions: each rank's topk_scored over its shard
+    (global column c is rank c % W's local column c // W)."""
+    scores, positions = [], []
+    for rank in range(world):
+        local = logits[:, rank::world].contiguous()
+        lens = local_share(lengths.view(-1), world, rank, 1).to(torch.int32)
+        idx, sc = run_op(face, "topk_scored", local, lens, k)
+        scores.append(sc)
+        positions.append(global_positions(idx, world, rank))
+    return torch.stack(scores), torch.stack(positions)
+
+
+@st.composite
+def merge_cases(draw, **kwargs):
+    logits, lengths, k = draw(scored_cases(**kwargs))
+    # shards see clean columns: junk past the length stays junk in every shard
+    return logits.contiguous(), lengths.reshape(-1), k, draw(st.integers(1, 4))
+
+
+def check_merge(face: str, logits: torch.Tensor, lengths: torch.Tensor, k: int,
+                world: int) -> None:
+    scores, positions = shard_selections("cpu", logits, lengths, k, world)
+    with ref.poisoned_empty():
+        got = run_op(face, "dcp_merge_topk", scores, positions)
+    check_against(ref.merge_topk(scores.numpy(), positions.numpy()), got)
+    # exact: the merge of the shards' selections is the selection over the whole row
+    check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), got)
+
+
+def merge(face: str, case: tuple) -> None:
+    check_merge(face, *case)
+
+
+test_merge_cpu, test_merge_kernel = face_tests(
+    merge, {"case": merge_cases()},
+    {"case": merge_cases(max_rows=2, max_cols=120, ks=(1, 5, 16))})
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_merge_example(face):
+    """Design §11's example: W = 2, k = 3; the tie at .9 goes to the lower position."""
+    scores = torch.tensor([[[.9, .5, .5]], [[.9, .7, -INF]]])
+    indices, merged = run_op(face, "dcp_merge_topk", scores, i32([[[4, 0, 2]], [[1, 3, -1]]]))
+    assert indices.tolist() == [[1, 4, 3]]
+    assert torch.equal(merged, torch.tensor([[.9, .9, .7]]))
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_merge_takes_any_candidate_order(face):
+    """Candidates need not be sorted; -1 entries are no candidates, wherever they are."""
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.randint(-2, 3, (3, 4, 6), generator=gen).float()
+    positions = torch.randperm(72, generator=gen).view(3, 4, 6).int()
+    positions[0, 1] = -1
+    positions[:, 2, ::2] = -1
+    positions[:, 3] = -1
+    got = run_op(face, "dcp_merge_topk", scores, positions)
+    check_against(ref.merge_topk(scores.numpy(), positions.numpy()), got)
+    assert got[0][3].tolist() == [-1] * 6
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_merge_empty(face):
+    assert run_op(face, "dcp_merge_topk", torch.zeros(2, 0, 3), torch.zeros(2, 0, 3,
+                  dtype=torch.int32))[0].shape == (0, 3)
+    indices, scores = run_op(face, "dcp_merge_topk", torch.zeros(0, 2, 3),
+                             torch.zeros(0, 2, 3, dtype=torch.int32))
+    assert indices.tolist() == [[-1] * 3] * 2 and scores.tolist() == [[-INF] * 3] * 2
+
+
+def test_ownership():
+    """Interleave 1: rank c % W owns c as its local c // W; the ranks' shares partition."""
+    positions = i32([[0, 5, 6, -1], [7, 2, -1, -1]])
+    assert owned_indices(positions, 3, 2).tolist() == [[-1, 1, -1, -1], [-1, 0, -1, -1]]
+    union = torch.full_like(positions, -1)
+    for rank in range(3):
+        local = owned_indices(positions, 3, rank)
+        mine = global_positions(local, 3, rank)
+        assert bool(((mine < 0) | (union < 0)).all())
+        union = torch.where(mine >= 0, mine, union)
+    assert torch.equal(union, positions)
+
+
+# --- opcheck and validation ----------------------------------------------------------------
+
+
+def _cases():
+    gen = torch.Generator().manual_seed(3)
+    lengths = i32([300, 10, 0, 200])
+    logits = with_junk(gen, values(gen, 4, 300, "ties"), lengths)
+    scores, positions = shard_selections("cpu", logits.contiguous(), lengths, 16, 2)
+    return [("topk_scored", (logits, lengths, 16)),
+            ("topk_scored", (logits, lengths.view(2, 2), 64)),
+            ("topk_scored", (torch.zeros(0, 8), i32([]), 4)),
+            ("dcp_merge_topk", (scores, positions)),
+            ("dcp_merge_topk", (scores[:, :0].contiguous(), positions[:, :0].contiguous()))]
+
+
+test_opcheck = opcheck_test(_cases())
+
+X, LENS = torch.zeros(2, 8), i32([8, 8])
+S, P = torch.zeros(2, 3, 4), torch.zeros(2, 3, 4, dtype=torch.int32)
+test_validation = validation_test([
+    ("topk_scored", (X.half(), LENS, 4), TypeError, "`logits` must be torch.float32"),
+    ("topk_scored", (torch.zeros(8, 2).t(), LENS, 4), ValueError, "unit column stride"),
+    ("topk_scored", (X, i32([8]), 4), ValueError, "`lengths` must have one entry per"),
+    ("topk_scored", (X, LENS.long(), 4), TypeError, "`lengths` must be torch.int32"),
+    ("topk_scored", (X, LENS, 0), ValueError, "`k` must be >= 1"),
+    ("dcp_merge_topk", (S.double(), P), TypeError, "`scores` must be torch.float32"),
+    ("dcp_merge_topk", (S[0], P[0]), ValueError, "`scores` must have 3 dimension"),
+    ("dcp_merge_topk", (S, P.long()), TypeError, "`indices` must be torch.int32"),
+    ("dcp_merge_topk", (S, P[:, :2].contiguous()), ValueError, "`indices` must have the shape of"),
+    ("dcp_merge_topk", (S[..., :0], P[..., :0]), ValueError, "k >= 1 candidates"),
+    ("dcp_merge_topk", (S.transpose(0, 1), P), ValueError, "`scores` must be contiguous"),
+])
+
