@@ -17,7 +17,9 @@ def test_readme_snippet_runs():
 
 
 @pytest.mark.parametrize("args", [["examples/decode.py", "--steps", "3", "--device", "cpu"],
-                                  ["examples/prefill.py", "--device", "cpu"]])
+                                  ["examples/prefill.py", "--device", "cpu"],
+                                  ["examples/model_decode.py", "--layers", "4", "--steps", "2",
+                                   "--device", "cpu"]])
 def test_example_runs_on_cpu(args):
     result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                             timeout=600)
