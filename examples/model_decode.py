@@ -6,10 +6,11 @@ A stand-in for sparse MLA then reads the selected slots of the layer's own laten
 the hidden state that feeds the next layer, so every selection counts. The metadata is built
 once per step and shared by every layer. The whole step is one ``torch.compile(fullgraph=True)``
 function: on a GPU it replays as one CUDA graph and is checked bit for bit against the same
-compiled step run without the graph; on a CPU it is checked against eager.
+compiled step run without the graph; on a CPU it is checked against eager. Layer sizes are
+DeepSeek V3.2's on a GPU and toy ones on a CPU (``--sizes``).
 
-    python examples/model_decode.py                       # 8 toy layers, pattern FFSFSFSF
-    python examples/model_decode.py --layers 61 --index-topk-freq 4 --real   # V3.2 sizes, GPU
+    python examples/model_decode.py                       # 8 layers, pattern FFSFSFSF
+    python examples/model_decode.py --layers 61 --index-topk-freq 4   # DeepSeek V3.2's 61
     python examples/model_decode.py --pattern FSSS --device cpu
 """
 
@@ -105,7 +106,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--index-topk-freq", type=int, default=2,
                         help="full layers: vLLM's index_topk_freq rule (1: every layer)")
     parser.add_argument("--pattern", help="'F'/'S' per layer (overrides --layers and the freq)")
-    parser.add_argument("--real", action="store_true", help="DeepSeek V3.2 sizes")
+    parser.add_argument("--sizes", choices=["toy", "v3.2"],
+                        help="layer sizes (default: v3.2 on a GPU, toy on a CPU)")
     parser.add_argument("--steps", type=int, default=None, help="decode steps")
     parser.add_argument("--next-n", type=int, default=2, help="1 + MTP draft tokens")
     parser.add_argument("--seed", type=int, default=0)
@@ -117,13 +119,14 @@ def main() -> None:
     torch.manual_seed(args.seed)
     on_gpu = args.device.startswith("cuda")
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    sizes = V32 if args.real else TOY
+    real = (args.sizes or ("v3.2" if on_gpu else "toy")) == "v3.2"
+    sizes = V32 if real else TOY
     share = (dsa.IndexShare(args.pattern) if args.pattern
              else dsa.IndexShare.every(args.layers, args.index_topk_freq))
-    prompt_lens = [3000, 700, 5100, 64, 1800] if args.real else [64, 20, 100, 9, 40]
+    prompt_lens = [3000, 700, 5100, 64, 1800] if real else [64, 20, 100, 9, 40]
     steps = args.steps or (16 if on_gpu else 3)
     capture_size = 8  # 5 live requests replay in the 8-request bucket: 3 padding requests
-    max_model_len = 8192 if args.real else 512
+    max_model_len = 8192 if real else 512
     cfg = dsa.IndexerConfig(
         max_num_reqs=capture_size,
         max_num_batched_tokens=max(sum(prompt_lens), capture_size * args.next_n),
@@ -148,7 +151,7 @@ def main() -> None:
                                       query_start_loc_cpu=qsl)
     model(hidden_states(batch.num_tokens), batch.positions, meta)
     print(f"model: {share.num_layers} layers, pattern {share.pattern} "
-          f"({share.pattern.count('F')} indexers), {'V3.2' if args.real else 'toy'} sizes on "
+          f"({share.pattern.count('F')} indexers), {'V3.2' if real else 'toy'} sizes on "
           f"{args.device}; prefill: {batch.num_tokens} tokens")
 
     if on_gpu:  # the step replays as one CUDA graph, checked against the compiled step
