@@ -1,6 +1,6 @@
 """Shared indexer layers (dsa.IndexShare): the layer patterns engines configure, and a
 compiled step where shared layers return their source layer's top-k: one graph, no
-recompile, equal to running the source layer."""
+recompile, equal to running the source layer (CPU), and one CUDA graph (GPU)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import dsa
-from dsa.graphs import pad_batch
+from dsa.graphs import DecodeGraphRunner, pad_batch
 from tests.batches import random_decode_batch, table_width
 
 HIDDEN, Q_LORA_RANK, CAPACITY = 32, 16, 4
@@ -63,14 +63,15 @@ def test_bad_patterns_raise(make, message):
 
 
 def make_step(cfg: dsa.IndexerConfig, share: dsa.IndexShare, indexers: dict[int, dsa.Indexer]):
-    """Runs every layer on its own inputs: a full layer indexes, a shared one reuses."""
+    """Runs every layer on its own inputs (``hidden[:, layer]``, ``q_latent[:, layer]``): a
+    full layer indexes, a shared one reuses."""
 
     def step(batch: dsa.Batch, hidden: torch.Tensor, q_latent: torch.Tensor):
         meta = dsa.build_decode_metadata(cfg, batch)
         outs: list[dsa.IndexerOutput] = []
         for layer, source in enumerate(share.sources):
-            outs.append(indexers[layer](hidden[layer], q_latent[layer], batch.positions, meta)
-                        if layer == source else outs[source])
+            outs.append(indexers[layer](hidden[:, layer], q_latent[:, layer], batch.positions,
+                                        meta) if layer == source else outs[source])
         return outs
 
     return step
@@ -94,12 +95,12 @@ def test_shared_layers_return_their_source_layers_top_k_in_one_graph():
     for i, num_reqs in enumerate([CAPACITY, 1, 3, 0, 2, CAPACITY]):
         live = random_decode_batch(rng, cfg, num_reqs, uneven=i % 2 == 1)
         batch = pad_batch(live, CAPACITY, CAPACITY * cfg.next_n, table_width(cfg))
-        hidden = torch.randn(share.num_layers, batch.num_tokens, HIDDEN)  # layer's own inputs
-        q_latent = torch.randn(share.num_layers, batch.num_tokens, Q_LORA_RANK)
+        hidden = torch.randn(batch.num_tokens, share.num_layers, HIDDEN)  # layer's own inputs
+        q_latent = torch.randn(batch.num_tokens, share.num_layers, Q_LORA_RANK)
         with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
             got = compiled(batch, hidden, q_latent)
         meta = dsa.build_decode_metadata(cfg, batch)
-        want = {layer: layer_module(hidden[layer], q_latent[layer], batch.positions, meta)
+        want = {layer: layer_module(hidden[:, layer], q_latent[:, layer], batch.positions, meta)
                 for layer, layer_module in sources.items()}
         for layer, source in enumerate(share.sources):
             assert torch.equal(got[layer].indices, want[source].indices), layer
@@ -111,3 +112,37 @@ def test_shared_layers_return_their_source_layers_top_k_in_one_graph():
     assert len(writes) == len(indexers)  # shared layers add nothing to the graph
     for layer, module in indexers.items():  # and the full layers' caches are the eager ones
         assert torch.equal(module.kv_cache, sources[layer].kv_cache)
+
+
+@pytest.mark.gpu
+def test_shared_layers_replay_in_one_cuda_graph():
+    """V3.2's H and D (DeepGEMM where it runs): the replay equals the compiled step, and
+    each shared layer's top-k is its source layer's."""
+    torch._dynamo.reset()
+    cfg = dsa.IndexerConfig(max_num_reqs=CAPACITY, max_num_batched_tokens=16,
+                            max_model_len=2048, topk=128, next_n=2)
+    cfg = dataclasses.replace(cfg, num_blocks=CAPACITY * table_width(cfg))
+    share = dsa.IndexShare("FSSFS")
+    indexers = {layer: dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK,
+                                   device="cuda")
+                for layer in range(share.num_layers) if share.is_full(layer)}
+    shapes = {"hidden": (share.num_layers, HIDDEN), "q_latent": (share.num_layers, Q_LORA_RANK)}
+    runner = DecodeGraphRunner(
+        make_step(cfg, share, indexers), cfg, sizes=(CAPACITY,), table_width=table_width(cfg),
+        token_inputs={name: (shape, torch.bfloat16) for name, shape in shapes.items()})
+    runner.capture()
+    rng = random.Random(1)
+    for num_reqs in (CAPACITY, 1, 3, 2):
+        live = random_decode_batch(rng, cfg, num_reqs, device="cuda")
+        x = {name: torch.randn(live.num_tokens, *shape, device="cuda", dtype=torch.bfloat16)
+             for name, shape in shapes.items()}
+        padded = pad_batch(live, CAPACITY, CAPACITY * cfg.next_n, table_width(cfg))
+        padded_x = {name: torch.cat([v, v.new_zeros(padded.num_tokens - len(v), *v.shape[1:])])
+                    for name, v in x.items()}
+        with torch.compiler.set_stance("fail_on_recompile"):
+            got = runner.replay(live, **x)
+            want = runner.step(padded, **padded_x)
+        for layer, source in enumerate(share.sources):
+            for field in ("indices", "slots"):
+                assert torch.equal(getattr(got[layer], field),
+                                   getattr(want[source], field)[: live.num_tokens]), layer
