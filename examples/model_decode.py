@@ -27,7 +27,7 @@ from decode import ToyEngine, progress
 from torch import Tensor, nn
 
 import dsa
-from dsa.graphs import DecodeGraphRunner, pad_batch
+from dsa.graphs import DecodeGraphRunner, StaticBatch
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,10 @@ def main() -> None:
         topk=sizes.topk, next_n=args.next_n,
         num_blocks=len(prompt_lens) * max_model_len // 64,  # the engine's blocks, 64 tokens each
     )
-    engine = ToyEngine(prompt_lens, cfg, args.device)
+    # The decode step's inputs, owned by the engine: one bucket of capture_size requests.
+    static = StaticBatch(capture_size, capture_size * args.next_n, cfg.max_blocks_per_req,
+                         token_inputs={"hidden": ((sizes.hidden,), dtype)}, device=args.device)
+    engine = ToyEngine(prompt_lens, cfg, static, args.device)
     model = Model(cfg, sizes, share, device=args.device, dtype=dtype)
 
     def step(batch: dsa.Batch, hidden: Tensor) -> tuple[Tensor, list[Tensor]]:
@@ -142,41 +145,37 @@ def main() -> None:
         hidden, outputs = model(hidden, batch.positions, meta)
         return hidden, [out.slots for out in outputs]
 
-    def hidden_states(num_tokens: int) -> Tensor:
-        return torch.randn(num_tokens, sizes.hidden, device=args.device, dtype=dtype)
-
     # Prefill: every prompt at once, chunked on the host, eagerly (it fills the K caches).
-    batch, qsl = engine.step(prompt_lens)
+    batch, qsl = engine.prefill_batch(prompt_lens)
     meta = dsa.build_prefill_metadata(cfg, batch, seq_lens_cpu=engine.seq_lens,
                                       query_start_loc_cpu=qsl)
-    model(hidden_states(batch.num_tokens), batch.positions, meta)
+    model(torch.randn(batch.num_tokens, sizes.hidden, device=args.device, dtype=dtype),
+          batch.positions, meta)
     print(f"model: {share.num_layers} layers, pattern {share.pattern} "
           f"({share.pattern.count('F')} indexers), {'V3.2' if real else 'toy'} sizes on "
           f"{args.device}; prefill: {batch.num_tokens} tokens")
 
     if on_gpu:  # the step replays as one CUDA graph, checked against the compiled step
-        runner = DecodeGraphRunner(step, cfg, sizes=[capture_size], table_width=engine.width,
-                                   token_inputs={"hidden": ((sizes.hidden,), dtype)})
+        runner = DecodeGraphRunner(step, cfg, buffers=static, sizes=[capture_size])
         runner.capture()
         print(f"GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB peak")
-        run = lambda live, padded, hidden: runner.replay(live, hidden=hidden[: live.num_tokens])
+        run = lambda: runner.replay_in_place(capture_size)  # outputs: the graph's own
         check = runner.step
     else:  # the step runs compiled, checked against eager
         compiled = torch.compile(step, fullgraph=True, dynamic=False)
-        run = lambda live, padded, hidden: compiled(padded, hidden)
+        run = lambda: compiled(static.batch, **static.inputs)
         check = step
 
     latencies, matched = [], 0
     for i in range(steps):
         query_lens = [1 if (i + r) % 3 == 0 else args.next_n for r in range(len(prompt_lens))]
-        live, _ = engine.step(query_lens)
-        padded = pad_batch(live, capture_size, capture_size * args.next_n)
-        hidden = hidden_states(padded.num_tokens)
-        hidden[live.num_tokens :] = 0  # padding tokens, as the graph's static batch has them
-        (got_hidden, got_slots), seconds = timed(run, live, padded, hidden, sync=on_gpu)
+        tokens = engine.write_decode_step(query_lens)  # into `static`, the bucket padded
+        static.inputs["hidden"][:tokens].normal_()  # stand-in for the embeddings
+        (got_hidden, got_slots), seconds = timed(run, sync=on_gpu)
         latencies.append(seconds)
-        want_hidden, want_slots = check(padded, hidden)
-        matched += same_step(got_hidden, got_slots, want_hidden, want_slots, live.num_tokens,
+        got_hidden, got_slots = got_hidden.clone(), [s.clone() for s in got_slots]
+        want_hidden, want_slots = check(static.batch, **static.inputs)
+        matched += same_step(got_hidden, got_slots, want_hidden, want_slots, tokens,
                              exact=on_gpu)
         progress(i, steps, f"{seconds * 1e6:.0f} us/step")
     print(file=sys.stderr)
