@@ -1,4 +1,4 @@
-"""README's snippet and the examples run as written (on the CPU in CI)."""
+"""README's snippets and the examples run as written (on the CPU in CI)."""
 
 import pathlib
 import re
@@ -10,14 +10,23 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_readme_snippet_runs():
+def readme_snippet(heading: str) -> str:
+    """The first python block after ``heading`` in README.md."""
     readme = (ROOT / "README.md").read_text()
-    tour = re.findall(r"```python\n(.*?)```", readme, flags=re.S)[0]  # the runnable one
-    exec(compile(tour, "README.md", "exec"), {})
+    section = readme[readme.index(heading):]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+
+
+@pytest.mark.parametrize("heading", ["## A tour of the API",
+                                     "## A model's step, and shared indexer layers"])
+def test_readme_snippet_runs(heading):
+    exec(compile(readme_snippet(heading), "README.md", "exec"), {})
 
 
 @pytest.mark.parametrize("args", [["examples/decode.py", "--steps", "3", "--device", "cpu"],
-                                  ["examples/prefill.py", "--device", "cpu"]])
+                                  ["examples/prefill.py", "--device", "cpu"],
+                                  ["examples/model_decode.py", "--layers", "4", "--steps", "2",
+                                   "--device", "cpu"]])
 def test_example_runs_on_cpu(args):
     result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                             timeout=600)
