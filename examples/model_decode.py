@@ -123,21 +123,20 @@ def main() -> None:
     sizes = V32 if real else TOY
     share = (dsa.IndexShare(args.pattern) if args.pattern
              else dsa.IndexShare.every(args.layers, args.index_topk_freq))
-    prompt_lens = [3000, 700, 5100, 64, 1800] if real else [64, 20, 100, 9, 40]
-    steps = args.steps or (16 if on_gpu else 3)
     capture_size = 8  # 5 live requests replay in the 8-request bucket: 3 padding requests
-    max_model_len = 8192 if real else 512
+    prompt_lens, max_model_len = ([3000, 700, 5100, 64, 1800], 8192) if real else (
+        [64, 20, 100, 9, 40], 512)
     cfg = dsa.IndexerConfig(
-        max_num_reqs=capture_size,
+        max_num_reqs=capture_size, next_n=args.next_n, max_model_len=max_model_len,
         max_num_batched_tokens=max(sum(prompt_lens), capture_size * args.next_n),
-        max_model_len=max_model_len, num_heads=sizes.num_heads, head_dim=sizes.head_dim,
-        topk=sizes.topk, next_n=args.next_n,
+        num_heads=sizes.num_heads, head_dim=sizes.head_dim, topk=sizes.topk,
         num_blocks=len(prompt_lens) * max_model_len // 64,  # the engine's blocks, 64 tokens each
     )
     # The decode step's inputs, owned by the engine: one bucket of capture_size requests.
     static = StaticBatch(capture_size, capture_size * args.next_n, cfg.max_blocks_per_req,
                          token_inputs={"hidden": ((sizes.hidden,), dtype)}, device=args.device)
     engine = ToyEngine(prompt_lens, cfg, static, args.device)
+    steps = args.steps or (16 if on_gpu else 3)
     model = Model(cfg, sizes, share, device=args.device, dtype=dtype)
 
     def step(batch: dsa.Batch, hidden: Tensor) -> tuple[Tensor, list[Tensor]]:
