@@ -32,6 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, check_int, check_tensor
+from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.topk.select import (
     INT_MIN,
@@ -272,12 +273,12 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     cand = torch.empty(rows * parts * select_cap, dtype=torch.int64, device=logits.device)
     counts = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
     if n_cols > select_cap:  # some rows may be longer than the candidates
-        _candidates_kernel[(rows, parts)](
+        launch(_candidates_kernel, (rows, parts),
             *head, cand, counts, n_cols, k, min(max(float(margin), -1e4), 1e4), PARTS=parts,
             G=sample_groups, W=sample_width, CAP=select_cap, BLOCK=block,
             C=min(block, 128 * num_warps), num_warps=num_warps, **flags,
         )
-    _select_kernel[(rows,)](
+    launch(_select_kernel, (rows,),
         *head, cand, counts, out, n_cols, k, PARTS=parts, CAP=select_cap,
         C=min(select_cap, block, 128 * select_warps), BLOCK=block, FINISH_BLOCK=finish_block,
         num_warps=select_warps, **flags,
@@ -285,7 +286,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     return out
 
 
-@_topk_out.cuda
+@_topk_out.triton
 def _topk_cuda(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None) -> Tensor:
     out = _topk_out(logits, lengths, k, starts)
     return launch_topk(logits, lengths, k, starts, out=out)
