@@ -49,6 +49,7 @@ class Faces:
     cpu: Callable
     cuda: Callable
     fake: Callable
+    traceable: bool  # registered as a triton_op: compile and AOTInductor see its kernels
 
 
 FACES: dict[str, Faces] = {}
@@ -95,7 +96,8 @@ class OpDecl:
         cpu, cuda = self._faces["cpu"], self._faces["cuda"]
         qualname = f"dsa::{self.name}"
         schema = torch.library.infer_schema(self.alloc, mutates_args=self.mutates_args)
-        if self._traceable and TRITON_OP:
+        traceable = self._traceable and TRITON_OP
+        if traceable:
             op = _triton_op(qualname, cuda, self.mutates_args, schema)
             op.register_kernel("cpu")(cpu)
         else:
@@ -103,7 +105,7 @@ class OpDecl:
                                          device_types="cpu", schema=schema)
             op.register_kernel("cuda")(cuda)
         op.register_fake(self.alloc)
-        FACES[self.name] = Faces(cpu=cpu, cuda=cuda, fake=self.alloc)
+        FACES[self.name] = Faces(cpu=cpu, cuda=cuda, fake=self.alloc, traceable=traceable)
         self.op = op
 
 
