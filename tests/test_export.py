@@ -111,12 +111,10 @@ def check_aoti(device: str, tmp_path, **overrides) -> str:
     caches = {f"layers.{i}.kv_cache": torch.zeros_like(c) for i, c in enumerate(kv_caches(step))}
     package.load_constants(caches, check_full_update=False, user_managed=True)
     want = run_steps(eager, steps)
-    assert_same(run_steps(package, steps), want, bitwise=device == "cpu")
-    written = [c.ne(0).any(dim=(1, 2, 3)) for c in kv_caches(eager)]  # the blocks written
-    for cache, w, ref in zip(caches.values(), written, kv_caches(eager)):
-        assert torch.equal(cache.ne(0).any(dim=(1, 2, 3)), w) and w.any()
-        if device == "cpu":
-            assert torch.equal(cache, ref)
+    assert_same(run_steps(package, steps), want, bitwise=False)
+    for cache, ref in zip(caches.values(), kv_caches(eager)):  # the same blocks written
+        written = ref.ne(0).any(dim=(1, 2, 3))
+        assert written.any() and torch.equal(cache.ne(0).any(dim=(1, 2, 3)), written)
     return path
 
 
