@@ -141,7 +141,10 @@ def _record_kernels(qualname: str, face: Callable) -> None:
     calls of the face's own source, and dsa's faces launch through a helper."""
     from triton.runtime.jit import JITFunction
 
-    kernels = torch._library.triton.triton_ops_to_kernels.setdefault(qualname, [])
+    by_op = getattr(torch._library.triton, "triton_ops_to_kernels", None)
+    if by_op is None:  # a torch without the table keys its caches otherwise
+        return
+    kernels = by_op.setdefault(qualname, [])
     kernels.extend(v for v in face.__globals__.values()
                    if isinstance(v, JITFunction) and v not in kernels)
 
