@@ -24,28 +24,18 @@ import torch
 import dsa
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import graph_us, host_us, markdown_table, report
-from bench_leaves import random_cache
+from _report import graph_us, host_us, markdown_table, publish, report
+from bench_step import HIDDEN, Q_LORA_RANK, full_decode
 
-BATCH, LENGTH, HIDDEN, Q_LORA_RANK = 64, 4096, 7168, 1536
+BATCH, LENGTH = 64, 4096
 
 
 def measure() -> dict[str, float]:
     """µs per row of the table, with this process's registration."""
     ops = torch.ops.dsa
-    blocks = BATCH * LENGTH // 64
-    cfg = dsa.IndexerConfig(max_num_reqs=BATCH, max_num_batched_tokens=BATCH,
-                            max_model_len=LENGTH, num_blocks=blocks, logits_backend="triton")
-    layer = dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, device="cuda")
-    layer.kv_cache.copy_(random_cache(blocks))
-    table = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(BATCH, -1)
-    seq_lens = torch.full((BATCH,), LENGTH, device="cuda", dtype=torch.int32)
-    positions = (seq_lens - 1).long()
-    slots = (table.gather(1, (positions // 64).view(-1, 1).int()).view(-1).long() * 64
-             + positions % 64)
-    batch = dsa.Batch(query_start_loc=torch.arange(BATCH + 1, dtype=torch.int32, device="cuda"),
-                      seq_lens=seq_lens, block_table=table, slot_mapping=slots,
-                      positions=positions)
+    cfg, layer, batch = full_decode(BATCH, LENGTH, logits_backend="triton")
+    table, seq_lens, slots = batch.block_table, batch.seq_lens, batch.slot_mapping
+    blocks = cfg.num_blocks
     hidden = torch.randn(BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16)
     q_latent = torch.randn(BATCH, Q_LORA_RANK, device="cuda", dtype=torch.bfloat16)
     meta = dsa.build_decode_metadata(cfg, batch)
@@ -103,10 +93,7 @@ def main() -> None:
         markdown_table(["call", "custom_op µs", "triton_op µs", "custom / triton"], rows),
         "host µs with the GPU drained first, except the last row (device µs of a replay)",
     )
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":
