@@ -1,12 +1,14 @@
-"""Which calls a traced decode-metadata build holds: dsa ops or the Triton kernels themselves.
+"""Which calls a traced graph of three Triton-faced metadata ops holds: the dsa ops or the
+Triton kernels themselves.
 
-``metadata_graph_calls(device)`` traces ``dsa.build_decode_metadata`` the way
-``torch.compile`` hands a graph to Inductor (AOTAutograd's functionalized graph) and counts
-its ``dsa`` ops and Triton kernel calls. With ``device="cuda"`` the inputs are fake CUDA
-tensors, so it runs on a CPU-only machine, but only with real Triton kernels (not under
-``TRITON_INTERPRET``): ``python -m tests.graph_ops cuda`` prints the counts as JSON, for a
-subprocess. (On a CPU-only build, fake CUDA tensors cannot go through view ops under
-functionalization, which the Indexer's projections need: the whole step is checked on the GPU.)
+``metadata_graph_calls(device)`` traces ``decode_token_lens``, ``expand_block_table`` and
+``decode_row_requests`` the way ``torch.compile`` hands a graph to Inductor (AOTAutograd's
+functionalized graph) and counts its ``dsa`` ops and Triton kernel calls. With
+``device="cuda"`` the inputs are fake CUDA tensors, so it runs on a CPU-only machine, but only
+with real Triton kernels (not under ``TRITON_INTERPRET``): ``python -m tests.graph_ops cuda``
+prints the counts as JSON, for a subprocess. (On a CPU-only build, fake CUDA tensors cannot
+go through view ops under functionalization, which most faces and the Indexer need: the
+whole step is checked on the GPU, by its AOTInductor package.)
 """
 
 from __future__ import annotations
@@ -22,14 +24,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dsa
 
-CFG = dsa.IndexerConfig(max_num_reqs=4, max_num_batched_tokens=64, max_model_len=1024,
-                        next_n=2, topk=64, num_blocks=64, logits_backend="triton")
-
 
 class _Metadata(torch.nn.Module):
     def forward(self, batch: dsa.Batch) -> tuple[torch.Tensor, ...]:
-        meta = dsa.build_decode_metadata(CFG, batch)
-        return tuple(v for v in vars(meta).values() if isinstance(v, torch.Tensor))
+        qsl, tokens = batch.query_start_loc, batch.positions.numel()
+        return (torch.ops.dsa.decode_token_lens(qsl, batch.seq_lens, tokens),
+                torch.ops.dsa.expand_block_table(qsl, batch.block_table, tokens),
+                torch.ops.dsa.decode_row_requests(qsl, tokens))
 
 
 def metadata_graph_calls(device: str) -> dict[str, int]:
