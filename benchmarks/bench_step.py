@@ -37,10 +37,13 @@ HIDDEN, Q_LORA_RANK = 7168, 1536  # DeepSeek V3.2
 BATCH_FIELDS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions")
 
 
-def bench_shape(batch: int, length: int) -> list[list[object]]:
+def full_decode(batch: int, length: int,
+                **overrides: object) -> tuple[dsa.IndexerConfig, dsa.Indexer, dsa.Batch]:
+    """A V3.2-sized layer on a random, full K cache, and ``batch`` one-token decode requests
+    at context ``length`` (``overrides``: more IndexerConfig fields)."""
     blocks = batch * -(-length // 64)
     cfg = dsa.IndexerConfig(max_num_reqs=batch, max_num_batched_tokens=batch,
-                            max_model_len=length, num_blocks=blocks)
+                            max_model_len=length, num_blocks=blocks, **overrides)
     layer = dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, device="cuda")
     layer.kv_cache.copy_(random_cache(blocks))
     table = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
@@ -48,9 +51,16 @@ def bench_shape(batch: int, length: int) -> list[list[object]]:
     positions = (seq_lens - 1).long()
     slots = (table.gather(1, (positions // 64).view(-1, 1).int()).view(-1).long() * 64
              + positions % 64)
-    qsl_cpu = torch.arange(batch + 1, dtype=torch.int32)
-    live = dsa.Batch(query_start_loc=qsl_cpu.cuda(), seq_lens=seq_lens, block_table=table,
-                     slot_mapping=slots, positions=positions)
+    live = dsa.Batch(query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+                     seq_lens=seq_lens, block_table=table, slot_mapping=slots,
+                     positions=positions)
+    return cfg, layer, live
+
+
+def bench_shape(batch: int, length: int) -> list[list[object]]:
+    cfg, layer, live = full_decode(batch, length)
+    table = live.block_table
+    qsl_cpu = live.query_start_loc.cpu()
     inputs = {"hidden": torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16),
               "q_latent": torch.randn(batch, Q_LORA_RANK, device="cuda", dtype=torch.bfloat16)}
 

@@ -19,7 +19,8 @@ def pytree_dataclass(*static: str) -> Callable[[type[T]], type[T]]:
     they are compared, not mapped; so do the names of ``None``-valued fields (a missing
     optional tensor is no leaf). Every other field is a child: a tensor or a nested pytree
     such as a tuple of dataclasses. Uses ``register_pytree_node``, which torch 2.11 and 2.13
-    share.
+    share. The context is saved as JSON (``torch.export.save``) and comes back as the same
+    tuples.
     """
 
     def register(cls: type[T]) -> type[T]:
@@ -45,7 +46,14 @@ def pytree_dataclass(*static: str) -> Callable[[type[T]], type[T]]:
 
         register_pytree_node(cls, flatten, unflatten,
                              serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+                             to_dumpable_context=lambda context: context,
+                             from_dumpable_context=_tuples,
                              flatten_with_keys_fn=flatten_with_keys)
         return cls
 
     return register
+
+
+def _tuples(value: Any) -> Any:
+    """``value`` with every JSON list turned back into a tuple."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value

@@ -23,6 +23,13 @@ def test_readme_snippet_runs(heading):
     exec(compile(readme_snippet(heading), "README.md", "exec"), {})
 
 
+def test_readme_export_snippet_runs():
+    """The "Export" snippet, after the tour it continues (AOTInductor: tests/test_export.py)."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    export = next(b for b in blocks if b.startswith("# Export"))
+    exec(compile(blocks[0] + export, "README.md", "exec"), {})
+
+
 @pytest.mark.parametrize("args", [["examples/decode.py", "--steps", "3", "--device", "cpu"],
                                   ["examples/prefill.py", "--device", "cpu"],
                                   ["examples/model_decode.py", "--layers", "4", "--steps", "2",

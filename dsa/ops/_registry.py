@@ -1,8 +1,8 @@
 """Registration of ``torch.ops.dsa.*``: one op, three faces.
 
 An op is declared on its validate-and-allocate helper, whose annotations give the schema
-and which is the op's fake face; the CPU face (plain torch) and the CUDA face (Triton or
-DeepGEMM) attach to the declaration, and the op is registered once both are there::
+and which is the op's fake face; the CPU face (plain torch) and the CUDA face attach to the
+declaration, and the op is registered once both are there::
 
     @dsa_op("decode_token_lens")
     def _decode_token_lens_out(query_start_loc: Tensor, seq_lens: Tensor,
@@ -13,8 +13,16 @@ DeepGEMM) attach to the declaration, and the op is registered once both are ther
     @_decode_token_lens_out.cpu
     def _decode_token_lens_cpu(query_start_loc, seq_lens, num_tokens): ...
 
-    @_decode_token_lens_out.cuda
+    @_decode_token_lens_out.triton
     def _decode_token_lens_cuda(query_start_loc, seq_lens, num_tokens): ...
+
+The CUDA face attaches as ``.triton`` when it is only torch ops and Triton kernels launched
+through ``dsa.ops._launch.launch``: the op is then a ``torch.library.triton_op``, which
+``torch.compile`` and AOTInductor decompose on CUDA tensors into the kernel calls themselves
+(Inductor sees, schedules and compiles them; an AOTInductor package holds their binaries);
+``torch.export`` keeps the op. Any other CUDA face (DeepGEMM) attaches as ``.cuda`` and the
+op is an opaque ``torch.library.custom_op``. ``DSA_TRITON_OP=0`` in the environment at
+import registers every op opaque (to compare the two).
 
 ``FACES`` records every op's faces, so the tests run each one against the loop reference
 (the CUDA face on CPU tensors under ``TRITON_INTERPRET=1``). This module is the only place
@@ -24,11 +32,16 @@ that knows how an op is registered with torch.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch.utils._pytree import tree_any
+
+TRITON_OP = os.environ.get("DSA_TRITON_OP", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -36,6 +49,7 @@ class Faces:
     cpu: Callable
     cuda: Callable
     fake: Callable
+    traceable: bool  # registered as a triton_op: compile and AOTInductor see its kernels
 
 
 FACES: dict[str, Faces] = {}
@@ -50,6 +64,7 @@ class OpDecl:
         self.alloc = alloc
         self.mutates_args = tuple(mutates_args)
         self._faces: dict[str, Callable] = {}
+        self._traceable = False
         self.op: torch.library.CustomOpDef | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -60,7 +75,13 @@ class OpDecl:
         return self._attach("cpu", fn)
 
     def cuda(self, fn: Callable) -> Callable:
-        """Attaches the CUDA face (a Triton kernel, or DeepGEMM)."""
+        """Attaches an opaque CUDA face (DeepGEMM, or anything torch may not trace)."""
+        return self._attach("cuda", fn)
+
+    def triton(self, fn: Callable) -> Callable:
+        """Attaches a CUDA face made of torch ops and Triton kernels launched through
+        ``dsa.ops._launch.launch``, which torch may trace into (see the module doc)."""
+        self._traceable = True
         return self._attach("cuda", fn)
 
     def _attach(self, device: str, fn: Callable) -> Callable:
@@ -73,13 +94,59 @@ class OpDecl:
 
     def _register(self) -> None:
         cpu, cuda = self._faces["cpu"], self._faces["cuda"]
+        qualname = f"dsa::{self.name}"
         schema = torch.library.infer_schema(self.alloc, mutates_args=self.mutates_args)
-        op = torch.library.custom_op(f"dsa::{self.name}", cpu, mutates_args=self.mutates_args,
-                                     device_types="cpu", schema=schema)
-        op.register_kernel("cuda")(cuda)
+        traceable = self._traceable and TRITON_OP
+        if traceable:
+            op = _triton_op(qualname, cuda, self.mutates_args, schema)
+            op.register_kernel("cpu")(cpu)
+        else:
+            op = torch.library.custom_op(qualname, cpu, mutates_args=self.mutates_args,
+                                         device_types="cpu", schema=schema)
+            op.register_kernel("cuda")(cuda)
         op.register_fake(self.alloc)
-        FACES[self.name] = Faces(cpu=cpu, cuda=cuda, fake=self.alloc)
+        FACES[self.name] = Faces(cpu=cpu, cuda=cuda, fake=self.alloc, traceable=traceable)
         self.op = op
+
+
+def _triton_op(qualname: str, cuda: Callable, mutates_args: tuple[str, ...],
+               schema: str) -> torch.library.CustomOpDef:
+    """``torch.library.triton_op`` of the CUDA face, decomposed on CUDA tensors only.
+
+    ``triton_op`` runs its function for every device and decomposes it under
+    ``FunctionalTensorMode`` whatever the inputs' device; a dsa op has its own CPU face,
+    which must stay one op in a CPU graph, so the decomposition is kept for CUDA inputs.
+    """
+    inferred = torch.library.infer_schema(cuda, mutates_args=mutates_args)
+    if inferred != schema:
+        raise TypeError(f"{qualname}: the Triton face's signature {inferred} differs from "
+                        f"the declaration's {schema}")
+    op = torch.library.triton_op(qualname, cuda, mutates_args=mutates_args)
+    decompose = op._torch_dispatch_fns[FunctionalTensorMode]
+
+    def on_cuda(mode: FunctionalTensorMode, func: Any, types: Any, args: tuple,
+                kwargs: dict) -> Any:
+        if tree_any(lambda x: isinstance(x, torch.Tensor) and x.is_cuda, (args, kwargs)):
+            return decompose(mode, func, types, args, kwargs)
+        return mode.__torch_dispatch__(func, types, args, kwargs)
+
+    op.register_torch_dispatch(FunctionalTensorMode, on_cuda)
+    _record_kernels(qualname, cuda)
+    return op
+
+
+def _record_kernels(qualname: str, face: Callable) -> None:
+    """Lists the Triton kernels of the face's module as the op's kernels (compile caches
+    key on their source): ``triton_op`` finds only those named in ``wrap_triton(...)``
+    calls of the face's own source, and dsa's faces launch through a helper."""
+    from triton.runtime.jit import JITFunction
+
+    by_op = getattr(torch._library.triton, "triton_ops_to_kernels", None)
+    if by_op is None:  # a torch without the table keys its caches otherwise
+        return
+    kernels = by_op.setdefault(qualname, [])
+    kernels.extend(v for v in face.__globals__.values()
+                   if isinstance(v, JITFunction) and v not in kernels)
 
 
 def dsa_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable], OpDecl]:

@@ -79,7 +79,7 @@ def _dcp_local_lens_kernel(lens_ptr, out_ptr, numel, world, rank, interleave,
     tl.store(out_ptr + i, local_share_tl(n, world, rank, interleave), mask=in_range)
 
 
-@_dcp_local_lens_out.cuda
+@_dcp_local_lens_out.triton
 def _dcp_local_lens_cuda(lens: Tensor, world: int, rank: int, interleave: int) -> Tensor:
     out = _dcp_local_lens_out(lens, world, rank, interleave)
     launch_1d(_dcp_local_lens_kernel, out.numel(), lens.contiguous(), out, out.numel(), world,

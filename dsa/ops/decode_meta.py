@@ -32,7 +32,7 @@ from dsa.ops._checks import (
     check_seq_lens,
     check_tensor,
 )
-from dsa.ops._launch import block_for, launch_1d
+from dsa.ops._launch import block_for, launch, launch_1d
 from dsa.ops._registry import dsa_op
 from dsa.ops._tokens import request_of, search_steps, token_offset, token_offsets, token_requests
 
@@ -81,7 +81,7 @@ def _decode_token_lens_kernel(qsl_ptr, seq_lens_ptr, out_ptr, num_tokens, num_re
     tl.store(out_ptr + t, lens, mask=in_range)
 
 
-@_decode_token_lens_out.cuda
+@_decode_token_lens_out.triton
 def _decode_token_lens_cuda(query_start_loc: Tensor, seq_lens: Tensor, num_tokens: int) -> Tensor:
     out = _decode_token_lens_out(query_start_loc, seq_lens, num_tokens)
     num_reqs = seq_lens.numel()
@@ -127,7 +127,7 @@ def _native_decode_lens_kernel(seq_lens_ptr, out_ptr, num_slots, next_n, BLOCK: 
     tl.store(out_ptr + slot, native_lens_tl(seq, slot % next_n, next_n), mask=in_range)
 
 
-@_native_decode_lens_out.cuda
+@_native_decode_lens_out.triton
 def _native_decode_lens_cuda(seq_lens: Tensor, next_n: int) -> Tensor:
     out = _native_decode_lens_out(seq_lens, next_n)
     launch_1d(_native_decode_lens_kernel, out.numel(), seq_lens, out, out.numel(), next_n)
@@ -181,7 +181,7 @@ def _expand_block_table_kernel(qsl_ptr, block_table_ptr, table_stride, out_ptr, 
     tl.store(dst, row, mask=in_range[:, None] & (col < width)[None, :])
 
 
-@_expand_block_table_out.cuda
+@_expand_block_table_out.triton
 def _expand_block_table_cuda(query_start_loc: Tensor, block_table: Tensor,
                              num_tokens: int) -> Tensor:
     out = _expand_block_table_out(query_start_loc, block_table, num_tokens)
@@ -191,7 +191,7 @@ def _expand_block_table_cuda(query_start_loc: Tensor, block_table: Tensor,
         block_w = block_for(width, cap=256)
         block_t = max(1, 1024 // block_w)
         grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(width, block_w))
-        _expand_block_table_kernel[grid](
+        launch(_expand_block_table_kernel, grid,
             query_start_loc, block_table, block_table.stride(0), out, num_tokens, num_reqs,
             width, SEARCH_STEPS=search_steps(num_reqs), BLOCK_T=block_t, BLOCK_W=block_w,
         )
@@ -254,7 +254,7 @@ def _decode_row_requests_kernel(qsl_ptr, out_ptr, num_tokens, num_reqs,
              mask=t < num_tokens)
 
 
-@_decode_row_requests_out.cuda
+@_decode_row_requests_out.triton
 def _decode_row_requests_cuda(query_start_loc: Tensor, num_tokens: int) -> Tensor:
     out = _decode_row_requests_out(query_start_loc, num_tokens)
     num_reqs = query_start_loc.numel() - 1
@@ -332,14 +332,14 @@ def _cap_context_lens_kernel(lens_ptr, table_ptr, table_stride, out_ptr, width, 
     tl.store(out_ptr + row * N + j, lens, mask=j < N)
 
 
-@_cap_context_lens_out.cuda
+@_cap_context_lens_out.triton
 def _cap_context_lens_cuda(context_lens: Tensor, block_table: Tensor, num_blocks: int,
                            block_size: int, max_context_len: int) -> Tensor:
     out = _cap_context_lens_out(context_lens, block_table, num_blocks, block_size,
                                 max_context_len)
     rows, next_n = context_lens.shape
     if out.numel():
-        _cap_context_lens_kernel[(rows,)](
+        launch(_cap_context_lens_kernel, (rows,),
             context_lens, block_table, block_table.stride(0), out, block_table.shape[1],
             num_blocks, max_context_len, N=next_n, NP=triton.next_power_of_2(next_n),
             BS=block_size, BLOCK_W=block_for(block_table.shape[1], cap=256),

@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, check_block_table, check_int, check_size, check_tensor
+from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
 from dsa.ops._tokens import request_of, search_steps, token_requests
 from dsa.ops.quant import (
@@ -175,7 +176,7 @@ def launch_k_rows(kernel: Any, k: Tensor, kv_cache: Tensor, slot_mapping: Tensor
     num_blocks, block_size = scales.shape
     block_d = triton.next_power_of_2(head_dim)
     block_t = block_t or max(1, min(16, 2048 // block_d))
-    kernel[(triton.cdiv(num_tokens, block_t),)](
+    launch(kernel, (triton.cdiv(num_tokens, block_t),),
         k, k.stride(0), k.stride(1), slot_mapping, values.view(torch.uint8), scales, num_tokens,
         num_blocks * block_size, *args, VALUE_STRIDE=values.stride(0),
         SCALE_STRIDE=scales.stride(0), BS=block_size, D=head_dim, BLOCK_D=block_d,
@@ -183,7 +184,7 @@ def launch_k_rows(kernel: Any, k: Tensor, kv_cache: Tensor, slot_mapping: Tensor
     )
 
 
-@_check_cache_write.cuda
+@_check_cache_write.triton
 def _quantize_and_cache_k_cuda(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                                ue8m0: bool = False) -> None:
     _check_cache_write(k, kv_cache, slot_mapping, ue8m0)
@@ -255,7 +256,7 @@ def _gather_k_kernel(value_ptr, scale_ptr, bt_ptr, bt_stride, cu_ptr, out_ptr, o
     tl.store(out_scale_ptr + rows, scale, mask=in_range)
 
 
-@_gather_k_out.cuda
+@_gather_k_out.triton
 def _gather_k_cuda(kv_cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor,
                    num_rows: int) -> tuple[Tensor, Tensor]:
     k_fp8, k_scale = _gather_k_out(kv_cache, block_table, cu_seq_lens, num_rows)
@@ -265,7 +266,7 @@ def _gather_k_cuda(kv_cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor,
         num_reqs, width = block_table.shape
         block_d = triton.next_power_of_2(head_dim)
         block_r = max(1, min(64, 4096 // block_d))
-        _gather_k_kernel[(triton.cdiv(num_rows, block_r),)](
+        launch(_gather_k_kernel, (triton.cdiv(num_rows, block_r),),
             values.view(torch.uint8), scales, block_table, block_table.stride(0), cu_seq_lens,
             k_fp8.view(torch.uint8), k_scale, num_rows, num_reqs, width, num_blocks,
             VALUE_STRIDE=values.stride(0), SCALE_STRIDE=scales.stride(0), BS=block_size,

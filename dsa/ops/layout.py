@@ -29,7 +29,7 @@ from dsa.ops._checks import (
     check_size,
     check_tensor,
 )
-from dsa.ops._launch import block_for
+from dsa.ops._launch import block_for, launch
 from dsa.ops._registry import dsa_op
 from dsa.ops._tokens import search_steps, token_offset, token_offsets
 
@@ -84,14 +84,14 @@ def _compress_block_table_kernel(block_table_ptr, table_stride, out_ptr, num_row
     tl.store(out_ptr + row.to(tl.int64)[:, None] * width + col[None, :], coarse, mask=mask)
 
 
-@_compress_block_table_out.cuda
+@_compress_block_table_out.triton
 def _compress_block_table_cuda(block_table: Tensor, factor: int) -> Tensor:
     out = _compress_block_table_out(block_table, factor)
     if out.numel():
         num_rows, width = out.shape
         block_r, block_c = _tile(num_rows, width)
         grid = (triton.cdiv(num_rows, block_r), triton.cdiv(width, block_c))
-        _compress_block_table_kernel[grid](
+        launch(_compress_block_table_kernel, grid,
             block_table, block_table.stride(0), out, num_rows, width, factor,
             BLOCK_R=block_r, BLOCK_C=block_c,
         )
@@ -149,14 +149,14 @@ def _pack_decode_rows_kernel(x_ptr, qsl_ptr, out_ptr, num_slots, next_n, num_tok
     tl.store(dst_ptr, vals, mask=is_slot[:, None] & col_ok)
 
 
-@_pack_decode_rows_out.cuda
+@_pack_decode_rows_out.triton
 def _pack_decode_rows_cuda(x: Tensor, query_start_loc: Tensor, next_n: int) -> Tensor:
     out = _pack_decode_rows_out(x, query_start_loc, next_n)
     num_slots, width = out.shape[0] * next_n, math.prod(x.shape[1:])
     if out.numel():
         block_r, block_c = _tile(num_slots, width)
         grid = (triton.cdiv(num_slots, block_r), triton.cdiv(width, block_c))
-        _pack_decode_rows_kernel[grid](
+        launch(_pack_decode_rows_kernel, grid,
             _as_bits(x), query_start_loc, _as_bits(out), num_slots, next_n, x.shape[0], width,
             BLOCK_R=block_r, BLOCK_C=block_c,
         )
@@ -221,7 +221,7 @@ def _unpack_decode_rows_kernel(y_ptr, qsl_ptr, out_ptr, num_tokens, num_reqs, ne
              mask=in_range[:, None] & col_ok)
 
 
-@_unpack_decode_rows_out.cuda
+@_unpack_decode_rows_out.triton
 def _unpack_decode_rows_cuda(y: Tensor, query_start_loc: Tensor, num_tokens: int,
                              fill: int = -1) -> Tensor:
     out = _unpack_decode_rows_out(y, query_start_loc, num_tokens, fill)
@@ -232,7 +232,7 @@ def _unpack_decode_rows_cuda(y: Tensor, query_start_loc: Tensor, num_tokens: int
         fill_bits = int(_fill_bits(fill, y.dtype, 1, "cpu").item())
         block_r, block_c = _tile(num_tokens, width)
         grid = (triton.cdiv(num_tokens, block_r), triton.cdiv(width, block_c))
-        _unpack_decode_rows_kernel[grid](
+        launch(_unpack_decode_rows_kernel, grid,
             _as_bits(y), query_start_loc, _as_bits(out), num_tokens, num_reqs, next_n, width,
             fill_bits, SEARCH_STEPS=search_steps(num_reqs), BLOCK_R=block_r, BLOCK_C=block_c,
         )

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import check_dcp, check_int, check_query_start_loc, check_seq_lens
-from dsa.ops._launch import block_for
+from dsa.ops._launch import block_for, launch
 from dsa.ops._registry import dsa_op
 from dsa.ops._tokens import request_of, search_steps, token_offset
 from dsa.ops.dcp import local_share, local_share_tl
@@ -142,7 +142,7 @@ def _chunk_rows_kernel(
     tl.store(global_lens_ptr + i, glen, mask=is_query)
 
 
-@_prefill_chunk_bounds_out.cuda
+@_prefill_chunk_bounds_out.triton
 def _prefill_chunk_bounds_cuda(
     query_start_loc: Tensor, seq_lens: Tensor, req_start: int, req_end: int,
     query_begin: int, query_end: int, num_rows: int, compress_ratio: int = 1,
@@ -156,13 +156,13 @@ def _prefill_chunk_bounds_cuda(
     n, q = req_end - req_start, query_end - query_begin
     dcp = (dcp_world, dcp_rank, dcp_interleave)
     # Whole tensors plus an offset: a slice starting at their end may be an invalid pointer.
-    _chunk_offsets_kernel[(1,)](
+    launch(_chunk_offsets_kernel, (1,),
         seq_lens, cu, local_cu, req_start, n, compress_ratio, *dcp, BLOCK=block_for(n)
     )
     rows = max(num_rows, q)
     if rows:
         block = block_for(rows)
-        _chunk_rows_kernel[(triton.cdiv(rows, block),)](
+        launch(_chunk_rows_kernel, (triton.cdiv(rows, block),),
             query_start_loc, seq_lens, cu, local_cu, token_to_seq, ks, ke, global_lens,
             req_start, n, num_rows, q, query_begin, compress_ratio, *dcp,
             SEARCH_STEPS=search_steps(n), BLOCK=block,

@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import check_size, check_tensor
+from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
 
 FP8_MAX = 448.0
@@ -189,7 +190,7 @@ def _quantize_q_kernel(q_ptr, w_ptr, w_stride0, w_stride1, out_ptr, hw_ptr, num_
                  w_scale, H=H, D=D, BLOCK_D=BLOCK_D, UE8M0=UE8M0)
 
 
-@_quantize_q_out.cuda
+@_quantize_q_out.triton
 def _quantize_q_cuda(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
     q_fp8, head_weights = _quantize_q_out(q, weights, ue8m0)
     num_tokens, num_heads, head_dim = q.shape
@@ -197,7 +198,7 @@ def _quantize_q_cuda(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[T
     if num_rows:
         block_d = triton.next_power_of_2(head_dim)
         block_r = max(1, min(64, 4096 // block_d))
-        _quantize_q_kernel[(triton.cdiv(num_rows, block_r),)](
+        launch(_quantize_q_kernel, (triton.cdiv(num_rows, block_r),),
             q, weights, weights.stride(0), weights.stride(1), q_fp8.view(torch.uint8),
             head_weights, num_rows, weight_scale(num_heads, head_dim),
             H=num_heads, D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, UE8M0=ue8m0,

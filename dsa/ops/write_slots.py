@@ -111,7 +111,7 @@ def _compressed_slot_mapping_kernel(
     tl.store(out_ptr + t, tl.where(ok, slot, -1), mask=in_range)
 
 
-@_compressed_slot_mapping_out.cuda
+@_compressed_slot_mapping_out.triton
 def _compressed_slot_mapping_cuda(
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, num_tokens: int,
     block_size: int, compress_ratio: int, dcp_world: int, dcp_rank: int,
@@ -172,7 +172,7 @@ def _kpool_tail_slot_mapping_kernel(qsl_ptr, block_table_ptr, table_stride, posi
     tl.store(out_ptr + t, tl.where(real & (entry >= 0) & (pos >= 0), slot, -1), mask=in_range)
 
 
-@_kpool_tail_slot_mapping_out.cuda
+@_kpool_tail_slot_mapping_out.triton
 def _kpool_tail_slot_mapping_cuda(query_start_loc: Tensor, block_table: Tensor,
                                   positions: Tensor, kpool: int) -> Tensor:
     out = _kpool_tail_slot_mapping_out(query_start_loc, block_table, positions, kpool)

@@ -27,6 +27,7 @@ from dsa.ops._checks import (
     check_size,
     check_tensor,
 )
+from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.kcache import check_kv_cache, kcache_views, padded_block_table
 from dsa.ops.logits import deepgemm
@@ -242,7 +243,7 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
     hp = max(triton.next_power_of_2(num_heads), triton.cdiv(16, np_))
     num_tiles = triton.cdiv(max_context_len, config.tile)
     grid = (triton.cdiv(num_tiles, config.tiles_per_program), batch)
-    _paged_logits_kernel[grid](
+    launch(_paged_logits_kernel, grid,
         q_fp8, values, scales, weights, weights.stride(0), weights.stride(1), context_lens,
         block_table, block_table.stride(0), out, out.stride(0), block_table.shape[1],
         num_blocks, max_context_len, config.tiles_per_program,
@@ -254,7 +255,7 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
     return out
 
 
-@_paged_mqa_logits_out.cuda
+@_paged_mqa_logits_out.triton
 def _paged_mqa_logits_cuda(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
                            context_lens: Tensor, block_table: Tensor,
                            max_context_len: int) -> Tensor:

@@ -18,6 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, check_int, check_size, check_tensor
+from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.logits import deepgemm
 from dsa.ops.logits.common import alloc_logits, choose_backend, fp8_rows
@@ -176,7 +177,7 @@ def _mqa_logits_launch(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: T
     hp = max(triton.next_power_of_2(num_heads), triton.cdiv(16, config.block_q))
     num_tiles = triton.cdiv(max_seqlen_k, config.tile)
     grid = (triton.cdiv(num_tiles, config.tiles_per_program), triton.cdiv(num_q, config.block_q))
-    _mqa_logits_kernel[grid](
+    launch(_mqa_logits_kernel, grid,
         q_fp8, k_fp8, k_scale, weights, weights.stride(0), weights.stride(1), ks, ke, out,
         out.stride(0), num_q, k_fp8.shape[0], max_seqlen_k, config.tiles_per_program,
         H=num_heads, D=head_dim, HP=hp, BM=config.block_q,
@@ -186,7 +187,7 @@ def _mqa_logits_launch(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: T
     return out
 
 
-@_mqa_logits_out.cuda
+@_mqa_logits_out.triton
 def _mqa_logits_cuda(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, ks: Tensor,
                      ke: Tensor, max_seqlen_k: int) -> Tensor:
     args = (q_fp8, k_fp8, k_scale, weights, ks, ke)

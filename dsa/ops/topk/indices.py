@@ -42,6 +42,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, check_int, check_tensor
+from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.topk.select import (
     INT_MIN,
@@ -378,7 +379,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     cand = torch.empty(rows * parts * select_cap, dtype=torch.int64, device=logits.device)
     counts = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
     if n_cols > select_cap:  # some rows may be longer than the candidates
-        _candidates_kernel[(rows, parts)](
+        launch(_candidates_kernel, (rows, parts),
             *head, cand, counts, n_cols, k, min(max(float(tune.margin), -1e4), 1e4),
             PARTS=parts, G=sample_groups, W=sample_width, CAP=select_cap, BLOCK=block,
             C=min(block, 128 * tune.num_warps), num_warps=tune.num_warps, **flags,
@@ -391,7 +392,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
         slot_args = (slots.out, table, table.stride(0), slots.row_requests, *table.shape,
                      slots.num_blocks)
         slot_flags = dict(SLOTS=True, BS=slots.block_size)
-    _select_kernel[(rows,)](
+    launch(_select_kernel, (rows,),
         *head, cand, counts, out, *slot_args, n_cols, k, PARTS=parts, CAP=select_cap,
         C=min(select_cap, block, 128 * select_warps), BLOCK=block, FINISH_BLOCK=finish_block,
         PRELOAD=n_cols <= select_cap and starts is None and rows <= tune.preload_rows,
@@ -400,13 +401,13 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     return out
 
 
-@_topk_out.cuda
+@_topk_out.triton
 def _topk_cuda(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None) -> Tensor:
     out = _topk_out(logits, lengths, k, starts)
     return launch_topk(logits, lengths, k, starts, out=out)
 
 
-@_topk_slots_out.cuda
+@_topk_slots_out.triton
 def _topk_slots_cuda(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
                      row_requests: Tensor, block_size: int, num_blocks: int,
                      starts: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -30,6 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, check_int, check_tensor
+from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.topk.indices import launch_topk, order_keys
 from dsa.ops.topk.select import INT_MAX, order_key
@@ -164,12 +165,12 @@ def launch_topk_scored(logits: Tensor, lengths: Tensor, k: int, *, indices: Tens
     if rows == 0:
         return indices, scores
     selected = launch_topk(logits, lengths, k + 1)
-    _topk_scored_kernel[(rows,)](logits, logits.stride(0), selected, indices, scores, k,
-                                 KP=triton.next_power_of_2(k), BLOCK=block, num_warps=8)
+    launch(_topk_scored_kernel, (rows,), logits, logits.stride(0), selected, indices, scores, k,
+           KP=triton.next_power_of_2(k), BLOCK=block, num_warps=8)
     return indices, scores
 
 
-@_topk_scored_out.cuda
+@_topk_scored_out.triton
 def _topk_scored_cuda(logits: Tensor, lengths: Tensor, k: int) -> tuple[Tensor, Tensor]:
     indices, scores = _topk_scored_out(logits, lengths, k)
     return launch_topk_scored(logits, lengths, k, indices=indices, scores=scores)
@@ -229,14 +230,13 @@ def _dcp_merge_kernel(score_ptr, idx_ptr, out_idx_ptr, out_score_ptr, tokens, k,
                       float("-inf")), mask=e < k)
 
 
-@_dcp_merge_out.cuda
+@_dcp_merge_out.triton
 def _dcp_merge_cuda(scores: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
     out_indices, out_scores = _dcp_merge_out(scores, indices)
     world, tokens, k = scores.shape
     if tokens and world:
-        _dcp_merge_kernel[(tokens,)](scores, indices, out_indices, out_scores, tokens, k,
-                                     WORLD=world, NP=triton.next_power_of_2(world * k),
-                                     num_warps=8)
+        launch(_dcp_merge_kernel, (tokens,), scores, indices, out_indices, out_scores, tokens,
+               k, WORLD=world, NP=triton.next_power_of_2(world * k), num_warps=8)
     else:
         out_indices.fill_(-1)
         out_scores.fill_(float("-inf"))

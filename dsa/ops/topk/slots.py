@@ -92,7 +92,7 @@ def _indices_to_slots_kernel(idx_ptr, bt_ptr, bt_stride, req_ptr, out_ptr, num_e
     tl.store(out_ptr + e, slot_of(i, table_row, req_ok, width, num_blocks, BS), mask=in_range)
 
 
-@_indices_to_slots_out.cuda
+@_indices_to_slots_out.triton
 def _indices_to_slots_cuda(indices: Tensor, block_table: Tensor, row_requests: Tensor,
                            block_size: int, num_blocks: int) -> Tensor:
     out = _indices_to_slots_out(indices, block_table, row_requests, block_size, num_blocks)

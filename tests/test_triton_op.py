@@ -1,0 +1,53 @@
+"""Triton faces as ``torch.library.triton_op``: Inductor sees their kernels on CUDA inputs,
+CPU graphs keep the op, ``DSA_TRITON_OP=0`` keeps every op opaque (dsa/ops/_registry.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsa.ops import FACES
+from dsa.ops._registry import TRITON_OP
+from tests.graph_ops import metadata_graph_calls
+
+ROOT = Path(__file__).resolve().parents[1]
+OPAQUE = {"paged_mqa_logits_deepgemm", "mqa_logits_deepgemm", "paged_mqa_schedule"}
+
+
+def test_triton_faces_register_as_triton_ops():
+    assert all(not FACES[name].traceable for name in OPAQUE)  # DeepGEMM: opaque
+    for name in ("decode_token_lens", "quantize_and_cache_k", "paged_mqa_logits",
+                 "mqa_logits", "topk_indices", "indices_to_slots"):
+        assert FACES[name].traceable == TRITON_OP, name
+
+
+def test_cpu_graph_keeps_the_ops():
+    assert metadata_graph_calls("cpu") == {"dsa": 3, "triton": 0}
+
+
+@pytest.mark.parametrize("triton_op", ["1", "0"])
+def test_cuda_graph_holds_the_kernels(triton_op):
+    """On (fake) CUDA inputs the metadata ops decompose into their kernel calls; opaque
+    with DSA_TRITON_OP=0. A subprocess: real Triton kernels, not the interpreter's."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(DSA_TRITON_OP=triton_op, PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-m", "tests.graph_ops", "cuda"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    calls = json.loads(run.stdout.strip().splitlines()[-1])
+    assert calls == ({"dsa": 0, "triton": 3} if triton_op == "1" else {"dsa": 3, "triton": 0})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs on CPU only")
+def test_launch_runs_the_raw_kernel_outside_tracing():
+    """Tests call the Triton face directly on CPU tensors (interpreter): no wrap there."""
+    from tests.faces import i32
+
+    out = FACES["decode_token_lens"].cuda(i32([0, 2, 3]), i32([5, 1]), 4)
+    assert out.tolist() == [4, 5, 1, 0]
