@@ -63,8 +63,8 @@ def _first_k(entries: Tensor, k: int, indices: Tensor, scores: Tensor) -> tuple[
         taken = top != NO_ENTRY
         keys = (top >> 32).int()
         indices[:, :width] = torch.where(taken, MAX_POSITION - (top & 0xFFFFFFFF), -1).int()
-        scores[:, :width] = torch.where(taken, order_keys(keys).view(torch.float32),
-                                        float("-inf"))
+        bits = keys ^ ((keys >> 31) & 0x7FFFFFFF)  # order_keys inverted: the fp32 bits
+        scores[:, :width] = torch.where(taken, bits.view(torch.float32), float("-inf"))
     return indices, scores
 
 
