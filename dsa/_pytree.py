@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+import torch
 from torch.utils._pytree import GetAttrKey, register_pytree_node
 
 T = TypeVar("T")
@@ -20,7 +21,8 @@ def pytree_dataclass(*static: str) -> Callable[[type[T]], type[T]]:
     optional tensor is no leaf). Every other field is a child: a tensor or a nested pytree
     such as a tuple of dataclasses. Uses ``register_pytree_node``, which torch 2.11 and 2.13
     share. The context is saved as JSON (``torch.export.save``) and comes back as the same
-    tuples.
+    tuples. The class is also a safe global of ``torch.load(weights_only=True)``: torch 2.11's
+    ``torch.export.save`` pickles a program's example inputs, such as a ``Batch``.
     """
 
     def register(cls: type[T]) -> type[T]:
@@ -49,6 +51,7 @@ def pytree_dataclass(*static: str) -> Callable[[type[T]], type[T]]:
                              to_dumpable_context=lambda context: context,
                              from_dumpable_context=_tuples,
                              flatten_with_keys_fn=flatten_with_keys)
+        torch.serialization.add_safe_globals([cls])
         return cls
 
     return register

@@ -300,23 +300,24 @@ def score_key(x: float) -> int:
     return bits ^ 0x7FFFFFFF if bits < 0 else bits
 
 
-def first_k(candidates: list[tuple[float, int]], k: int) -> list[tuple[int, float]]:
+def first_k(candidates: list[tuple[np.float32, int]], k: int) -> list[tuple[int, float]]:
     """(position, score) of the first k of ``(score, position)`` candidates: higher score
-    first, ties to the lower position; padded with (-1, -inf) to k."""
+    first, ties to the lower position; padded with (-1, -inf) to k. Scores stay np.float32,
+    so a NaN keeps its payload bits."""
     ranked = sorted(candidates, key=lambda c: (-score_key(c[0]), c[1]))[:k]
     return [(p, s) for s, p in ranked] + [(-1, -math.inf)] * (k - len(ranked))
 
 
 def topk_scored(logits: np.ndarray, lengths: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
     """Per row: the first k of the columns ``[0, length)`` (clipped to the row)."""
-    return [first_k([(float(row[c]), c) for c in range(min(max(int(n), 0), len(row)))], k)
+    return [first_k([(row[c], c) for c in range(min(max(int(n), 0), len(row)))], k)
             for row, n in zip(logits, lengths.reshape(-1))]
 
 
 def merge_topk(scores: np.ndarray, indices: np.ndarray) -> list[list[tuple[int, float]]]:
     """Per token: the first k of the candidates of every rank (``[W, T, k]``; index < 0: none)."""
     world, tokens, k = scores.shape
-    return [first_k([(float(scores[w, t, j]), int(indices[w, t, j])) for w in range(world)
+    return [first_k([(scores[w, t, j], int(indices[w, t, j])) for w in range(world)
                      for j in range(k) if indices[w, t, j] >= 0], k) for t in range(tokens)]
 
 

@@ -17,12 +17,17 @@ from dsa.ops._registry import TRITON_OP
 from tests.graph_ops import metadata_graph_calls
 
 ROOT = Path(__file__).resolve().parents[1]
-OPAQUE = {"paged_mqa_logits_deepgemm", "mqa_logits_deepgemm", "paged_mqa_schedule"}
+# DeepGEMM; the fused metadata (DeepGEMM's schedule inside); the writes of mutable state;
+# the no-FMA prologue (README, "Triton kernels Inductor can see").
+OPAQUE = {"paged_mqa_logits_deepgemm", "mqa_logits_deepgemm", "paged_mqa_schedule",
+          "decode_metadata", "quantize_and_cache_k", "pad_batch_out", "rope_hadamard_quantize_q",
+          "rope_hadamard_quantize_and_cache_k"}
 
 
 def test_triton_faces_register_as_triton_ops():
-    assert all(not FACES[name].traceable for name in OPAQUE)  # DeepGEMM: opaque
-    for name in ("decode_token_lens", "quantize_and_cache_k", "paged_mqa_logits",
+    assert all(not FACES[name].traceable for name in OPAQUE)
+    for name in ("decode_token_lens", "gather_k", "paged_mqa_logits", "topk_indices_and_slots",
+                 "topk_scored", "dcp_merge_topk",
                  "mqa_logits", "topk_indices", "indices_to_slots"):
         assert FACES[name].traceable == TRITON_OP, name
 

@@ -184,7 +184,7 @@ def launch_k_rows(kernel: Any, k: Tensor, kv_cache: Tensor, slot_mapping: Tensor
     )
 
 
-@_check_cache_write.triton
+@_check_cache_write.cuda
 def _quantize_and_cache_k_cuda(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                                ue8m0: bool = False) -> None:
     _check_cache_write(k, kv_cache, slot_mapping, ue8m0)

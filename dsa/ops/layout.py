@@ -15,12 +15,14 @@ values come back bit for bit.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from dsa.ops._checks import (
     check_block_table,
@@ -188,6 +190,14 @@ def _fill_bits(fill: int, dtype: torch.dtype, width: int, device: torch.device |
     return _as_bits(torch.full((1, width), fill, dtype=dtype, device=device))
 
 
+@functools.cache
+def _host_fill_bits(fill: int, dtype: torch.dtype) -> int:
+    """The bits of ``fill`` cast to ``dtype``, as a host int: computed on the CPU outside any
+    tracing mode (this face is traced as a ``triton_op``), so no device read and no fake."""
+    with _disable_current_modes():
+        return int(_fill_bits(fill, dtype, 1, "cpu").item())
+
+
 @_unpack_decode_rows_out.cpu
 def _unpack_decode_rows_cpu(y: Tensor, query_start_loc: Tensor, num_tokens: int,
                             fill: int = -1) -> Tensor:
@@ -228,8 +238,7 @@ def _unpack_decode_rows_cuda(y: Tensor, query_start_loc: Tensor, num_tokens: int
     num_reqs, next_n = y.shape[:2]
     width = math.prod(y.shape[2:])
     if out.numel():
-        # A host constant built on the CPU: no device read.
-        fill_bits = int(_fill_bits(fill, y.dtype, 1, "cpu").item())
+        fill_bits = _host_fill_bits(fill, y.dtype)
         block_r, block_c = _tile(num_tokens, width)
         grid = (triton.cdiv(num_tokens, block_r), triton.cdiv(width, block_c))
         launch(_unpack_decode_rows_kernel, grid,
