@@ -106,7 +106,7 @@ def test_shared_layers_return_their_source_layers_top_k_in_one_graph():
             assert torch.equal(got[layer].indices, want[source].indices), layer
             assert torch.equal(got[layer].slots, want[source].slots), layer
     assert counter.frame_count == 1
-    write = torch.ops.dsa.quantize_and_cache_k
+    write = torch.ops.dsa.rope_hadamard_quantize_and_cache_k
     writes = [node for node in counter.graphs[0].graph.nodes
               if node.target in (write, write.default)]
     assert len(writes) == len(indexers)  # shared layers add nothing to the graph
