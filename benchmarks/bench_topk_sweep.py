@@ -52,7 +52,7 @@ VARIANTS: dict[str, dict] = {
     "warps4": dict(num_warps=4),
     "programs512": dict(target_programs=512),
     "programs512+warps4": dict(target_programs=512, num_warps=4),
-    "groups512": dict(sample_groups=512),
+    "groups1024": dict(sample_groups=1024),
     "margin3": dict(margin=3.0),
     "block2048": dict(block=2048),
     "no-preload": dict(preload_rows=0),

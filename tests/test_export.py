@@ -145,6 +145,8 @@ def test_exported_step_matches_eager_gpu(tmp_path, backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(torch.__version__ < "2.12", reason="torch 2.11: loading a CUDA AOTInductor "
+                    "package of the step segfaults in aoti_load_package (H200, README)")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_aoti_package_matches_eager_gpu(tmp_path, backend):
     """... and, with triton_op, dsa's Triton kernels are compiled into the package (no call
@@ -153,7 +155,7 @@ def test_aoti_package_matches_eager_gpu(tmp_path, backend):
     path = check_aoti("cuda", tmp_path, logits_backend=backend)
     with zipfile.ZipFile(path) as package:
         blob = b"".join(package.read(name) for name in package.namelist())
-    kernels = [b"_select_kernel", b"_cache_write_kernel", b"_quantize_q_kernel"]
+    kernels = [b"_select_kernel", b"_candidates_kernel"]
     if backend == "triton":
         kernels.append(b"_paged_logits_kernel")
     missing = [k.decode() for k in kernels if k not in blob]

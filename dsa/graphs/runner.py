@@ -70,6 +70,8 @@ class DecodeGraphRunner:
         if self.device.type != "cuda":
             raise ValueError(f"DecodeGraphRunner: CUDA graphs need a CUDA device, got "
                              f"{self.device}; on the CPU, call the compiled step directly")
+        if self.device.index is None and torch.cuda.is_available():  # "cuda": the current one
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.cfg = cfg
         self.sizes = tuple(sorted(sizes or capture_sizes(cfg.max_num_reqs)))
         self.step = step
