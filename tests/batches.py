@@ -9,6 +9,15 @@ import torch
 from dsa.config import IndexerConfig
 from dsa.meta.batch import Batch
 
+# Decode configurations the compile and graph tests run (IndexerConfig overrides).
+STEP_CONFIGS = {
+    "next_n1": {"next_n": 1},
+    "next_n2_native": {"next_n": 2},
+    "next_n3_flat": {"next_n": 3, "decode_layout": "flat"},
+    "next_n4_native": {"next_n": 4},
+    "compress4": {"next_n": 2, "compress_ratio": 4},
+}
+
 
 def table_width(cfg: IndexerConfig) -> int:
     """Block-table columns the engine passes for ``cfg`` (kernel-block granularity)."""

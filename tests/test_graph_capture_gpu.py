@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 import dsa
 from dsa.graphs import DecodeGraphRunner, StaticBatch, pad_batch
 from dsa.ops.logits.deepgemm import deepgemm_paged_supported
-from tests.batches import random_decode_batch, table_width
+from tests.batches import STEP_CONFIGS, random_decode_batch, table_width
 
 pytestmark = pytest.mark.gpu
 
@@ -83,11 +83,7 @@ def strict_replay():
 
 
 CONFIGS = {
-    "next_n1": {"next_n": 1},
-    "next_n2_native": {"next_n": 2},
-    "next_n3_flat": {"next_n": 3, "decode_layout": "flat"},
-    "next_n4_native": {"next_n": 4},
-    "compress4": {"next_n": 2, "compress_ratio": 4},
+    **STEP_CONFIGS,
     "next_n1_triton": {"next_n": 1, "logits_backend": "triton"},
     "next_n2_triton": {"next_n": 2, "logits_backend": "triton"},
     # the cache's block count in the config: lengths capped on the device (cap_context_lens)

@@ -14,17 +14,10 @@ import torch
 
 import dsa
 from dsa.graphs import pad_batch
-from tests.batches import random_decode_batch, table_width
+from tests.batches import STEP_CONFIGS, random_decode_batch, table_width
 
 HIDDEN, Q_LORA_RANK, LAYERS, CAPACITY = 64, 32, 2, 4
 
-CONFIGS = {
-    "next_n1": {"next_n": 1},
-    "next_n2_native": {"next_n": 2},
-    "next_n3_flat": {"next_n": 3, "decode_layout": "flat"},
-    "next_n4_native": {"next_n": 4},
-    "compress4": {"next_n": 2, "compress_ratio": 4},
-}
 
 
 def make_step(cfg: dsa.IndexerConfig, layers: list[dsa.Indexer]):
@@ -37,13 +30,13 @@ def make_step(cfg: dsa.IndexerConfig, layers: list[dsa.Indexer]):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(STEP_CONFIGS))
 def test_compiled_step_matches_eager_without_recompiles(name, backend):
     if backend == "inductor" and name != "next_n2_native":
         pytest.skip("inductor (slow to compile on CPU) runs one configuration")
     torch._dynamo.reset()
     cfg = dsa.IndexerConfig(max_num_reqs=CAPACITY, max_num_batched_tokens=16,
-                            max_model_len=512, topk=32, **CONFIGS[name])
+                            max_model_len=512, topk=32, **STEP_CONFIGS[name])
     cfg = dataclasses.replace(cfg, num_blocks=CAPACITY * table_width(cfg))
     layers = [dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, dtype=torch.float32)
               for _ in range(LAYERS)]
