@@ -63,7 +63,7 @@ def host_us_per_call(fn: Callable[[], object], *, calls: int = 20, reps: int = 2
     return 1e6 * statistics.median(times)
 
 
-def copy_bandwidth_bytes_per_s(num_bytes: int = 4 << 30) -> float:
+def copy_bandwidth(num_bytes: int = 4 << 30) -> float:
     """Measured device-to-device copy bandwidth, counting bytes read plus bytes written."""
     buffers = torch.empty(2, num_bytes, dtype=torch.uint8, device="cuda")
     us = device_us(lambda: buffers[1].copy_(buffers[0]), warmup=5, rep=50)

@@ -20,14 +20,7 @@ import dsa
 from dsa.ops.logits.deepgemm import deepgemm_paged_supported
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import (
-    bench_parser,
-    copy_bandwidth_bytes_per_s,
-    graph_us,
-    markdown_table,
-    publish,
-    report,
-)
+from _report import bench_parser, copy_bandwidth, graph_us, markdown_table, publish, report
 
 SHAPES = [(1, 1, 4096), (1, 1, 65536), (8, 1, 32768), (32, 1, 32768), (64, 1, 65536),
           (128, 1, 32768), (64, 2, 32768), (256, 1, 8192)]
@@ -85,7 +78,7 @@ def bench_shape(batch: int, next_n: int, length: int, bandwidth: float) -> list[
 def main() -> None:
     out = bench_parser().parse_args().out
     torch.manual_seed(0)
-    bandwidth = copy_bandwidth_bytes_per_s()
+    bandwidth = copy_bandwidth()
     header = ["B", "next_n", "L", "HBM floor µs", "dsa Triton logits µs", "of floor",
               "DeepGEMM logits µs", "of floor", "dsa top-k µs", "masked torch.topk µs",
               "speed-up", "torch.topk alone µs", "speed-up", "dsa logits + top-k µs",

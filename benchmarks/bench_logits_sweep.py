@@ -33,14 +33,7 @@ from dsa.ops.logits import deepgemm, paged_backend
 from dsa.ops.logits.paged import PagedLogitsConfig, paged_logits_config, paged_logits_triton
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import (
-    bench_parser,
-    copy_bandwidth_bytes_per_s,
-    graph_us,
-    markdown_table,
-    publish,
-    report,
-)
+from _report import bench_parser, copy_bandwidth, graph_us, markdown_table, publish, report
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 64, 128, 64
 L2_BYTES = 50 * 2**20
@@ -188,7 +181,7 @@ def goal_lines(stats: list[dict]) -> list[str]:
 def run_table(out: str | None) -> None:
     device = torch.device("cuda")
     check_configs([None])
-    bandwidth = copy_bandwidth_bytes_per_s()
+    bandwidth = copy_bandwidth()
     flops = fp8_flops_per_s()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, fp8 GEMM {flops / 1e12:.0f} TFLOP/s")
     header = ["B", "L", "next_n", "working set MB", "L2", "HBM floor µs", "fp8 compute floor µs",
@@ -258,7 +251,7 @@ def bench_shape(shape, configs, device, top, bandwidth):
 def run_sweep(top: int) -> None:
     device = torch.device("cuda")
     start = time.time()
-    bandwidth = copy_bandwidth_bytes_per_s()
+    bandwidth = copy_bandwidth()
     per_shape = {shape: candidates(shape[0], shape[2]) for shape in SWEEP_SHAPES}
     runnable = set(check_configs(sorted(
         {c for cs in per_shape.values() for c in cs},

@@ -25,7 +25,7 @@ from dsa.rope import rope_table
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _report import copy_bandwidth_bytes_per_s, graph_us, markdown_table, publish, report  # noqa: E402
+from _report import copy_bandwidth, graph_us, markdown_table, publish, report  # noqa: E402
 from unfused import hadamard_matrix, unfused_prologue  # noqa: E402
 
 TOKENS = (1, 64, 128)
@@ -81,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", help="append the report to this markdown file")
     args = parser.parse_args()
-    bandwidth = copy_bandwidth_bytes_per_s()
+    bandwidth = copy_bandwidth()
     header = ["T", "unfused µs", "unfused kernels", "fused µs", "fused kernels", "speed-up",
               "bytes floor µs"]
     rows = []
