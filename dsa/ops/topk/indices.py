@@ -109,7 +109,11 @@ def _topk_slots_out(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor
 
 def order_keys(x: Tensor) -> Tensor:
     """int32 keys of fp32 or bf16 ``x`` whose signed order is the float order (-0 < +0)."""
-    bits = x.float().view(torch.int32)
+    return flip_order(x.float().view(torch.int32))
+
+
+def flip_order(bits: Tensor) -> Tensor:
+    """int32 fp32 bits -> order keys, and back: the map is its own inverse."""
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 

@@ -32,8 +32,8 @@ from torch import Tensor
 from dsa.ops._checks import INDEX_DTYPES, check_int, check_tensor
 from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
-from dsa.ops.topk.indices import launch_topk, order_keys
-from dsa.ops.topk.select import INT_MAX, order_key
+from dsa.ops.topk.indices import flip_order, launch_topk, order_keys
+from dsa.ops.topk.select import INT_MAX, key_value, order_key
 
 MAX_POSITION = 2**31 - 1
 NO_ENTRY = -(2**63)  # sorts after every entry
@@ -63,8 +63,8 @@ def _first_k(entries: Tensor, k: int, indices: Tensor, scores: Tensor) -> tuple[
         taken = top != NO_ENTRY
         keys = (top >> 32).int()
         indices[:, :width] = torch.where(taken, MAX_POSITION - (top & 0xFFFFFFFF), -1).int()
-        bits = keys ^ ((keys >> 31) & 0x7FFFFFFF)  # order_keys inverted: the fp32 bits
-        scores[:, :width] = torch.where(taken, bits.view(torch.float32), float("-inf"))
+        scores[:, :width] = torch.where(taken, flip_order(keys).view(torch.float32),
+                                        float("-inf"))
     return indices, scores
 
 
@@ -128,7 +128,7 @@ def _topk_scored_kernel(logits_ptr, stride_row, sel_ptr, idx_ptr, score_ptr, k,
                      -9223372036854775808)
     entry = tl.sort(entry, descending=True)
     first = (entry >> 32).to(tl.int32)
-    score = (first ^ ((first >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    score = key_value(first)
     tl.store(idx_ptr + out + j, (2147483647 - (entry & 0xFFFFFFFF)).to(tl.int32),
              mask=j < n_above)
     tl.store(score_ptr + out + j, score, mask=j < n_above)
@@ -138,7 +138,7 @@ def _topk_scored_kernel(logits_ptr, stride_row, sel_ptr, idx_ptr, score_ptr, k,
     # slots n_above .. count - 1: the first columns holding m (none when count == n_above)
     need = count - n_above
     last = tl.where(need > 0, last, -1)
-    m_score = (m ^ ((m >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    m_score = key_value(m)
     seen = tl.zeros([], tl.int32)
     for c in range(0, last + 1, BLOCK):
         cols = c + tl.arange(0, BLOCK)
@@ -225,9 +225,7 @@ def _dcp_merge_kernel(score_ptr, idx_ptr, out_idx_ptr, out_score_ptr, tokens, k,
     tl.store(out_idx_ptr + out,
              tl.where(taken, (2147483647 - (entry & 0xFFFFFFFF)).to(tl.int32), -1), mask=e < k)
     tl.store(out_score_ptr + out,
-             tl.where(taken, (first ^ ((first >> 31) & 0x7FFFFFFF)).to(tl.float32,
-                                                                        bitcast=True),
-                      float("-inf")), mask=e < k)
+             tl.where(taken, key_value(first), float("-inf")), mask=e < k)
 
 
 @_dcp_merge_out.triton

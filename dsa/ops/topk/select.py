@@ -24,6 +24,12 @@ def order_key(x):
 
 
 @triton.jit
+def key_value(key):
+    """The fp32 value of an ``order_key`` (the same map applied again)."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def flag(cond):
     """A scalar condition as a plain int1 (the 3.9 interpreter mistypes a broadcast compare)."""
     return tl.where(cond, True, False)
