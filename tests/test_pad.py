@@ -18,7 +18,9 @@ from faces import (
 from hypothesis import strategies as st
 from strategies import BatchSpec, batches
 
-from dsa.ops.pad import launch_pad_batch
+from dsa.ops import _launch
+from dsa.ops._launch import FixedLaunch
+from dsa.ops.pad import launch_pad_batch, pad_batch_launch
 
 GARBAGE = 12345
 
@@ -153,3 +155,69 @@ test_pad_batch_validation = validation_test(
     ],
     op="pad_batch_out",
 )
+
+
+@KERNEL_MARK
+def test_pad_batch_launch_relaunches_for_new_live_data():
+    """A ready launch serves every live batch of its sizes (any data, any address)."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    out = tuple(t.to(device) for t in buffers(5, 8, 3))
+    ready = pad_batch_launch(out, 3, 5, 2, 2)
+    for shift in (0, 100):
+        live = tuple(t.to(device) + shift for t in live_example())
+        ready(*live, *out)
+        want = ref.pad_batch(*(t.tolist() for t in live), 5, 8, 3)
+        assert [t.tolist() for t in out] == list(want)
+
+
+class FakeCompiled:
+    """Stands in for Triton's ``CompiledKernel``: ``[grid]`` gives a launcher."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args: self.calls.append(("compiled", grid, args))
+
+
+class FakeKernel:
+    """Stands in for a ``JITFunction``: ``[grid](...)`` launches, returns the compiled one."""
+
+    arg_names = ("x_ptr", "y_ptr", "n", "BLOCK")
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append(("jit", grid, args, kwargs))
+            return FakeCompiled(self.calls)
+
+        return run
+
+
+def test_fixed_launch_relaunches_the_compiled_kernel(monkeypatch):
+    """After the first launch through the JIT, the compiled kernel gets every argument in
+    declaration order (constexprs too) on a three-dim grid; another current device goes
+    through the JIT again."""
+    monkeypatch.setattr(_launch, "CompiledKernel", FakeCompiled)
+    device = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+    kernel = FakeKernel()
+    ready = FixedLaunch(kernel, (6,), BLOCK=8, n=3)
+    ready("a", "b")
+    ready("c", "d")
+    device[0] = 1
+    ready("e", "f")
+    assert kernel.calls == [("jit", (6,), ("a", "b"), {"BLOCK": 8, "n": 3}),
+                            ("compiled", (6, 1, 1), ("c", "d", 3, 8)),
+                            ("jit", (6,), ("e", "f"), {"BLOCK": 8, "n": 3})]
+
+
+def test_fixed_launch_without_a_compiled_kernel_launches_every_time():
+    """The interpreter's launch returns no ``CompiledKernel``: every call goes through it."""
+    kernel = FakeKernel()
+    ready = FixedLaunch(kernel, (2,), BLOCK=4, n=1)
+    ready("a", "b")
+    ready("c", "d")
+    assert [call[0] for call in kernel.calls] == ["jit", "jit"]

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import triton
 from torch.library import wrap_triton
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+from triton.compiler import CompiledKernel
 
 
 def block_for(n: int, cap: int = 1024) -> int:
@@ -20,12 +22,45 @@ def block_for(n: int, cap: int = 1024) -> int:
     return min(cap, triton.next_power_of_2(max(n, 1)))
 
 
-def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
     """``kernel[grid](*args, **kwargs)``, traceable: wrapped by ``wrap_triton`` while a torch
-    dispatch mode is active (tracing), launched directly otherwise (no dispatch cost)."""
+    dispatch mode is active (tracing), launched directly otherwise (no dispatch cost).
+    Returns what the launch returns (Triton's ``CompiledKernel`` on a GPU)."""
     if is_in_torch_dispatch_mode():
         kernel = wrap_triton(kernel)
-    kernel[grid](*args, **kwargs)
+    return kernel[grid](*args, **kwargs)
+
+
+class FixedLaunch:
+    """``kernel[grid](*tensors, **fixed)`` for calls that differ only in ``tensors``' data.
+
+    The first call launches through Triton's JIT and keeps the ``CompiledKernel`` it returns;
+    later calls relaunch that directly (``CompiledKernel[grid]``), skipping the per-call
+    argument binding, specialization and cache lookup of ``JITFunction.run``: most of a
+    small launch's host time. Valid while ``tensors`` keep their dtypes, which the caller
+    keys on; the kernel must not specialize on their alignment
+    (``do_not_specialize_on_alignment``). The interpreter, tracing and another current device
+    go through ``launch``.
+    """
+
+    def __init__(self, kernel: Any, grid: tuple[int, ...], **fixed: Any) -> None:
+        self._kernel, self._grid, self._fixed = kernel, grid, fixed
+        self._relaunch: Any = None
+        self._device = -1
+        self._tail: tuple[Any, ...] = ()
+
+    def __call__(self, *tensors: Any) -> None:
+        if (self._relaunch is not None and torch.cuda.current_device() == self._device
+                and not is_in_torch_dispatch_mode()):
+            self._relaunch(*tensors, *self._tail)
+            return
+        compiled = launch(self._kernel, self._grid, *tensors, **self._fixed)
+        if self._relaunch is None and isinstance(compiled, CompiledKernel):
+            # A compiled kernel takes every argument in declaration order, constexprs too.
+            self._tail = tuple(self._fixed[name]
+                               for name in self._kernel.arg_names[len(tensors):])
+            self._device = torch.cuda.current_device()
+            self._relaunch = compiled[(*self._grid, 1, 1)[:3]]  # it reads three dims
 
 
 def launch_1d(kernel: Any, n: int, *args: Any, cap: int = 1024, **constexprs: Any) -> None:

@@ -14,7 +14,9 @@ Triton program per request of the bucket (its offset, length and table row) plus
 block of tokens. Live tensors may be int32 or int64; the
 buffers keep their own dtypes. The live tensors may be prefix views of the buffers
 themselves (``StaticBatch.pad``): a live entry is only ever rewritten with its own value,
-so padding in place is exact on both faces.
+so padding in place is exact on both faces. ``pad_batch_launch`` is the CUDA launch made
+ready for one signature, relaunched at a fraction of a Triton launch's host time (what
+``StaticBatch`` pads with: the op itself checks its arguments on every call).
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, POSITION_DTYPES, check_size, check_tensor
-from dsa.ops._launch import block_for
+from dsa.ops._launch import FixedLaunch, block_for
 from dsa.ops._registry import dsa_op
 
 LIVE_DTYPES = (torch.int32, torch.int64)
 _OP = "pad_batch_out"
+_POINTERS = ["qsl_ptr", "seq_ptr", "table_ptr", "slot_ptr", "pos_ptr", "out_qsl_ptr",
+             "out_seq_ptr", "out_table_ptr", "out_slot_ptr", "out_pos_ptr"]
 
 
 @dsa_op(_OP, mutates_args=("out_query_start_loc", "out_seq_lens", "out_block_table",
@@ -101,7 +105,10 @@ def _copy_and_fill(out: Tensor, src: Tensor, fill: int) -> None:
     out[src.shape[0]:].fill_(fill)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "width", "table_stride"])
+# Pointers unspecialized on alignment: a ready launch (``pad_batch_launch``) serves any
+# addresses of the same dtypes.
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "width", "table_stride"],
+            do_not_specialize_on_alignment=_POINTERS)
 def _pad_batch_kernel(qsl_ptr, seq_ptr, table_ptr, slot_ptr, pos_ptr,
                       out_qsl_ptr, out_seq_ptr, out_table_ptr, out_slot_ptr, out_pos_ptr,
                       table_stride, num_reqs, num_tokens, width, cap_reqs, cap_tokens, cap_width,
@@ -141,11 +148,21 @@ def launch_pad_batch(tensors: Sequence[Tensor], num_reqs: int, num_tokens: int,
     """The CUDA face's launch, unchecked, with the live sizes given: ``tensors`` are the
     op's ten arguments, whose live half may be the buffers themselves (padding in place
     after the first ``num_reqs`` requests, ``num_tokens`` tokens and ``width`` columns)."""
-    out_table = tensors[7]
+    pad_batch_launch(tensors[5:], num_reqs, num_tokens, width, tensors[2].stride(0))(*tensors)
+
+
+def pad_batch_launch(out: Sequence[Tensor], num_reqs: int, num_tokens: int, width: int,
+                     table_stride: int) -> FixedLaunch:
+    """``launch_pad_batch`` into the buffers ``out`` (the op's last five arguments) of live
+    batches of these sizes and block-table row stride, ready to relaunch: call it with the
+    op's ten arguments. Keep one per signature the caller checked (sizes and dtypes): its
+    relaunches skip Triton's per-call JIT work."""
+    out_table = out[2]
     cap_reqs, cap_width = out_table.shape
-    cap_tokens = tensors[8].shape[0]
+    cap_tokens = out[3].shape[0]
     block_t = block_for(cap_tokens)
     grid = (max(1, cap_reqs + triton.cdiv(cap_tokens, block_t)),)
-    _pad_batch_kernel[grid](*tensors, tensors[2].stride(0), num_reqs, num_tokens, width,
-                            cap_reqs, cap_tokens, cap_width, BLOCK_W=block_for(cap_width),
-                            BLOCK_T=block_t)
+    return FixedLaunch(_pad_batch_kernel, grid, table_stride=table_stride, num_reqs=num_reqs,
+                       num_tokens=num_tokens, width=width, cap_reqs=cap_reqs,
+                       cap_tokens=cap_tokens, cap_width=cap_width,
+                       BLOCK_W=block_for(cap_width), BLOCK_T=block_t)
