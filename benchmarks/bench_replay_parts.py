@@ -52,7 +52,7 @@ def device_us(fn, n=200):
     return start.elapsed_time(end) / n * 1e3
 
 
-print(f"load (one pad_batch_out launch, one copy per input) "
+print(f"load (one pad_batch_out launch, one copy of all inputs) "
       f"{host_us(lambda: static.load(live, **inputs)):.1f} us host")
 print(f"graph.replay {host_us(graph.replay):.1f} us host, {device_us(graph.replay):.1f} us dev")
 print(f"live_outputs {host_us(lambda: live_outputs(outputs, 1, 1)):.1f} us host")

@@ -7,8 +7,8 @@ Paths, measured in the same run on the same batch (a full bucket):
 
 - in place: the engine wrote the step's batch into ``runner.static_batch(B)``;
   ``runner.replay_in_place(B)`` launches the graph and returns its outputs as views;
-- padding path: ``runner.load(live, ...)`` (one ``pad_batch_out`` launch, one copy per
-  token input), then ``replay_in_place``; also with one live request fewer than the bucket;
+- padding path: ``runner.load(live, ...)`` (one ``pad_batch_out`` launch, one copy of
+  all token inputs), then ``replay_in_place``; also with one live request fewer than the bucket;
 - replay: ``runner.replay(live, ...)``: the padding path plus clones of the live outputs;
 - eager: the same layer run eagerly on metadata built on the host each step
   (``host_metadata.py``, the way engines do it today).
@@ -87,7 +87,7 @@ def bench_shape(batch: int, length: int) -> list[list[object]]:
         return layer(inputs["hidden"], inputs["q_latent"], live.positions, meta).slots
 
     # One request fewer than the bucket (B > 1): the padding path pads a request and its
-    # token, and zeroes the token inputs' padding row.
+    # token (the token inputs' padding row keeps what it held).
     short = batch - 1 or batch
     short_live = dsa.Batch(*(getattr(live, name)[: short + (name == "query_start_loc")]
                              for name in BATCH_FIELDS))

@@ -2,13 +2,21 @@
 and a compiled step over bucket prefixes of one set of buffers (what the runner captures)."""
 
 import copy
+import dataclasses
 import random
 
 import pytest
 import torch
 
 import dsa
-from dsa.graphs import DecodeGraphRunner, StaticBatch, bucket_for, capture_sizes, pad_batch
+from dsa.graphs import (
+    DecodeGraphRunner,
+    StaticBatch,
+    bucket_for,
+    capture_sizes,
+    pad_batch,
+    static_batch,
+)
 from dsa.meta.batch import Batch
 from tests.batches import random_decode_batch, table_width
 
@@ -49,7 +57,9 @@ def test_pad_batch_pads_requests_tokens_and_table():
     assert padded.positions.tolist() == [8, 9, 6, 10, 11, 0, 0, 0]
 
 
-def test_static_batch_load_keeps_addresses_and_clears_stale_rows():
+def test_static_batch_load_keeps_addresses_and_clears_stale_requests():
+    """Padding requests and tokens are cleared; the token inputs' rows past the live tokens
+    keep what they held (padding tokens' outputs never depend on them)."""
     static = StaticBatch(4, 6, 2, token_inputs={"hidden": ((3,), torch.float32)})
     addresses = [t.data_ptr() for t in (static.batch.seq_lens, static.inputs["hidden"])]
     static.load(live_batch(), hidden=torch.ones(5, 3))
@@ -65,8 +75,63 @@ def test_static_batch_load_keeps_addresses_and_clears_stale_rows():
     assert static.batch.seq_lens.tolist() == [3, 0, 0, 0]
     assert static.batch.block_table.tolist() == [[1, 2], [0, 0], [0, 0], [0, 0]]
     assert static.batch.slot_mapping.tolist() == [66, -1, -1, -1, -1, -1]
-    assert static.inputs["hidden"][:, 0].tolist() == [2.0, 0, 0, 0, 0, 0]
+    assert static.inputs["hidden"][:, 0].tolist() == [2.0, 1.0, 1.0, 1.0, 1.0, 0.0]
     assert [t.data_ptr() for t in (static.batch.seq_lens, static.inputs["hidden"])] == addresses
+
+
+def one_token_requests(n: int) -> Batch:
+    return Batch(query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+                 seq_lens=torch.full((n,), 5, dtype=torch.int32),
+                 block_table=torch.zeros(n, 2, dtype=torch.int32),
+                 slot_mapping=torch.arange(n), positions=torch.full((n,), 4))
+
+
+def test_static_batch_load_copies_every_token_input():
+    """All token inputs at once, whatever their dtypes and order: a full bucket, a partial
+    one and no live tokens; rows past the live tokens stay."""
+    static = StaticBatch(4, 4, 2, token_inputs={"hidden": ((3,), torch.bfloat16),
+                                                "q_latent": ((2,), torch.float32)})
+    for tokens in (4, 2, 0):
+        q, h = torch.randn(tokens, 2), torch.randn(tokens, 3).bfloat16()
+        before = {name: value.clone() for name, value in static.inputs.items()}
+        static.load(one_token_requests(tokens), q_latent=q, hidden=h)
+        assert torch.equal(static.inputs["hidden"][:tokens], h)
+        assert torch.equal(static.inputs["q_latent"][:tokens], q)
+        for name, value in static.inputs.items():
+            assert torch.equal(value[tokens:], before[name][tokens:]), name
+
+
+def test_static_batch_load_checks_each_signature_once(monkeypatch):
+    """``load`` checks its arguments the first time their shapes, strides, dtypes and
+    devices come; a repeat is not checked again, and any new signature is, with the same
+    clear errors (a bad call is never remembered)."""
+    faces = static_batch.FACES["pad_batch_out"]
+    checks = []
+
+    def counted(*tensors):
+        checks.append(tensors[3].shape[0])
+        return faces.fake(*tensors)
+
+    monkeypatch.setattr(static_batch, "_PAD_FACES", dataclasses.replace(faces, fake=counted))
+    static = StaticBatch(4, 6, 2, token_inputs={"hidden": ((3,), torch.float32)})
+    for _ in range(3):
+        static.load(live_batch(), hidden=torch.ones(5, 3))
+    assert checks == [5]
+    assert static.batch.seq_lens.tolist() == [10, 7, 12, 0]
+    bad = dataclasses.replace(live_batch(), positions=torch.tensor([1, 2]))
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"dsa.pad_batch_out: `positions` must have size 5 "
+                                             r"\(num_tokens = len\(slot_mapping\)\)"):
+            static.load(bad, hidden=torch.ones(5, 3))
+    with pytest.raises(ValueError, match=r"token input `hidden` must have shape \(5, 3\)"):
+        static.load(live_batch(), hidden=torch.ones(4, 3))
+    with pytest.raises(ValueError, match="does not fit capacity 4 requests, 6 tokens"):
+        static.load(dataclasses.replace(live_batch(), slot_mapping=torch.arange(7),
+                                        positions=torch.arange(7)), hidden=torch.ones(7, 3))
+    strided = torch.ones(5, 6)[:, ::2]  # another signature: checked, then copied
+    static.load(live_batch(), hidden=strided)
+    assert checks == [5, 5, 5, 5, 7, 5]
+    assert static.inputs["hidden"][:5].tolist() == [[1.0] * 3] * 5
 
 
 def test_static_batch_rejects_oversized_batches_and_wrong_inputs():

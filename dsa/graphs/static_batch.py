@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from dsa.meta.batch import Batch
 from dsa.ops import FACES
-from dsa.ops.pad import LIVE_DTYPES, launch_pad_batch
+from dsa.ops.pad import LIVE_DTYPES, pad_batch_launch
 
 TokenInputs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 # The op's faces, called directly: outside a graph, the dispatcher's custom-op overhead
 # would be host time every padded replay pays.
 _PAD_FACES = FACES["pad_batch_out"]
+# Ready loads and pads a StaticBatch keeps (one per signature); past this many, it forgets
+# them all and starts over.
+_MAX_READY = 256
+_Ready = TypeVar("_Ready")
 
 
 class StaticBatch:
@@ -23,9 +28,10 @@ class StaticBatch:
     ``load`` pads a live batch in (``dsa::pad_batch_out``, one launch, no host sync):
     padding requests get query_len 0 and seq_len 0 (their ``query_start_loc`` entries
     repeat the live total), block-table entries past the live ones 0, padding tokens slot
-    -1 and position 0, padding rows of the inputs 0. An engine may instead write ``batch``
-    and ``inputs`` in place itself, then ``pad`` the rest. ``prefix`` views the first
-    requests and tokens: each bucket of a ``DecodeGraphRunner`` is such a view.
+    -1 and position 0; rows of the inputs past the live tokens keep what they held (no real
+    token's output depends on them). An engine may instead write ``batch`` and ``inputs`` in
+    place itself, then ``pad`` the rest. ``prefix`` views the first requests and tokens:
+    each bucket of a ``DecodeGraphRunner`` is such a view.
     """
 
     def __init__(self, num_reqs: int, num_tokens: int, table_width: int, *,
@@ -43,6 +49,7 @@ class StaticBatch:
             name: torch.zeros(num_tokens, *tail, dtype=dtype, device=device)
             for name, (tail, dtype) in (token_inputs or {}).items()
         }
+        self._ready: dict[Hashable, Any] = {}
 
     @property
     def num_reqs(self) -> int:
@@ -62,6 +69,7 @@ class StaticBatch:
                            b.block_table[:num_reqs], b.slot_mapping[:num_tokens],
                            b.positions[:num_tokens])
         view.inputs = {name: value[:num_tokens] for name, value in self.inputs.items()}
+        view._ready = {}
         return view
 
     def pad(self, num_reqs: int, num_tokens: int) -> None:
@@ -73,9 +81,11 @@ class StaticBatch:
         b = self.batch
         if b.seq_lens.is_cuda:  # no views to build: the launch takes the live sizes
             buffers = _fields(b)
-            launch_pad_batch(buffers * 2, num_reqs, num_tokens, b.block_table.shape[1])
+            launch = self._get_ready(("pad", num_reqs, num_tokens), lambda: pad_batch_launch(
+                buffers, num_reqs, num_tokens, b.block_table.shape[1], b.block_table.stride(0)))
+            launch(*buffers, *buffers)
         else:
-            _pad_into(self.prefix(num_reqs, num_tokens).batch, b)
+            _PAD_FACES.cpu(*_fields(self.prefix(num_reqs, num_tokens).batch), *_fields(b))
 
     def _check_room(self, method: str, num_reqs: int, num_tokens: int) -> None:
         if not (0 <= num_reqs <= self.num_reqs and 0 <= num_tokens <= self.num_tokens):
@@ -86,7 +96,9 @@ class StaticBatch:
     def load_batch(self, live: Batch) -> None:
         """Copies ``live`` in, padding to capacity (one launch; see ``load``); ``inputs`` are
         left to the caller, who writes them in place."""
-        _pad_into(live, self.batch)
+        fields = _fields(live)
+        key = (None, tuple(map(_signature, fields)))
+        self._get_ready(key, lambda: _Load(self, fields, None))(fields, ())
 
     def load(self, live: Batch, **inputs: Tensor) -> None:
         """Copies ``live`` (and its token inputs) in, padding to capacity.
@@ -94,24 +106,61 @@ class StaticBatch:
         ``live`` must be consistent (int32 or int64 tensors, ``len(seq_lens) + 1``
         offsets, one block-table row per request, one position per slot) and fit; its
         tensors on the host travel in one pinned, non-blocking copy. Each token input has one
-        row per live token and the trailing shape, dtype and device it was declared with.
-        Costs one launch for the batch, and one copy (plus one zero fill of the padding rows)
-        per token input.
+        row per live token and the trailing shape, dtype and device it was declared with;
+        rows past the live tokens keep what they held. Costs one launch for the batch and one
+        for all token inputs (``torch._foreach_copy_``). The arguments are checked the first
+        time their shapes, strides, dtypes and devices come, not again while they repeat.
         """
-        if inputs.keys() != self.inputs.keys():
-            raise ValueError(f"StaticBatch.load: expected token inputs {sorted(self.inputs)}, "
+        fields = _fields(live)
+        values = tuple(inputs.values())
+        key = (tuple(inputs), tuple(map(_signature, fields)), tuple(map(_signature, values)))
+        self._get_ready(key, lambda: _Load(self, fields, inputs))(fields, values)
+
+    def _get_ready(self, key: Hashable, make: Callable[[], _Ready]) -> _Ready:
+        """The ready load or pad of ``key``, made (and checked) the first time it comes."""
+        ready = self._ready.get(key)
+        if ready is None:
+            ready = make()
+            if len(self._ready) >= _MAX_READY:
+                self._ready.clear()
+            self._ready[key] = ready
+        return ready
+
+
+class _Load:
+    """``StaticBatch.load`` (``load_batch`` without ``inputs``) for one signature of its
+    arguments, checked when made: the live batch padded in (a ready ``pad_batch_out`` launch
+    on CUDA), then the token inputs copied into their buffers' live rows in one
+    ``torch._foreach_copy_``."""
+
+    def __init__(self, static: StaticBatch, fields: tuple[Tensor, ...],
+                 inputs: dict[str, Tensor] | None) -> None:
+        if inputs is not None and inputs.keys() != static.inputs.keys():
+            raise ValueError(f"StaticBatch.load: expected token inputs {sorted(static.inputs)}, "
                              f"got {sorted(inputs)}")
-        tokens = live.num_tokens
-        for name, value in inputs.items():
-            _check_token_input(name, value, self.inputs[name], tokens)
-        self.load_batch(live)
-        for name, value in inputs.items():
-            buffer = self.inputs[name]
-            if tokens == buffer.shape[0]:
-                buffer.copy_(value)
-            else:
-                buffer[:tokens].copy_(value)
-                buffer[tokens:].zero_()
+        self._out = _fields(static.batch)
+        self._device = self._out[1].device
+        self._host = _host_fields(fields, self._device)
+        checked = list(fields)
+        for i in self._host:  # as ``_moved`` makes them
+            checked[i] = torch.empty(fields[i].shape, dtype=torch.int64, device=self._device)
+        _PAD_FACES.fake(*checked, *self._out)  # the op's checks, as its fake face runs them
+        (reqs, width), tokens = fields[2].shape, fields[3].shape[0]
+        self._rows: list[Tensor] = []
+        for name, value in (inputs or {}).items():
+            _check_token_input(name, value, static.inputs[name], tokens)
+            self._rows.append(static.inputs[name][:tokens])
+        if self._device.type == "cuda":
+            self._pad = pad_batch_launch(self._out, reqs, tokens, width, fields[2].stride(0))
+        else:
+            self._pad = _PAD_FACES.cpu
+
+    def __call__(self, fields: tuple[Tensor, ...], values: tuple[Tensor, ...]) -> None:
+        if self._host:
+            fields = _moved(fields, self._host, self._device)
+        self._pad(*fields, *self._out)
+        if self._rows:
+            torch._foreach_copy_(self._rows, values)
 
 
 def pad_batch(live: Batch, num_reqs: int, num_tokens: int, table_width: int | None = None
@@ -144,14 +193,18 @@ def _fields(batch: Batch) -> tuple[Tensor, ...]:
             batch.positions)
 
 
-def _pad_into(live: Batch, static: Batch) -> None:
-    device = static.seq_lens.device
-    fields = _fields(live)
+def _signature(t: object) -> Hashable:
+    """What the checks of a ``load`` argument read: a repeat needs no new check."""
+    if isinstance(t, Tensor):
+        return t.shape, t.stride(), t.dtype, t.device
+    return type(t)
+
+
+def _host_fields(fields: tuple[Tensor, ...], device: torch.device) -> list[int]:
+    """Which ``fields`` are integer tensors elsewhere than ``device`` (``_moved`` moves
+    them); none when any such tensor is not an integer one (the check names it)."""
     elsewhere = [i for i, t in enumerate(fields) if isinstance(t, Tensor) and t.device != device]
-    if elsewhere and all(fields[i].dtype in LIVE_DTYPES for i in elsewhere):
-        fields = _moved(fields, elsewhere, device)
-    pad = _PAD_FACES.cuda if device.type == "cuda" else _PAD_FACES.cpu
-    pad(*fields, *_fields(static))
+    return elsewhere if all(fields[i].dtype in LIVE_DTYPES for i in elsewhere) else []
 
 
 def _moved(fields: tuple[Tensor, ...], which: list[int], device: torch.device
