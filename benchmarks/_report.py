@@ -76,6 +76,12 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     return "\n".join(lines)
 
 
+def add_row(rows: list[Sequence[object]], row: Sequence[object]) -> None:
+    """Appends ``row`` to a report's ``rows`` and prints it at once (long runs show progress)."""
+    rows.append(row)
+    print(" | ".join(str(c) for c in row), flush=True)
+
+
 def report(title: str, command: str, table: str, notes: str = "") -> str:
     """A BENCHMARKS.md section: date, GPU, software, commit, command, table."""
     commit = os.environ.get("DSA_COMMIT") or _git_commit()

@@ -23,7 +23,7 @@ import dsa
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-from _report import graph_us, markdown_table, publish, report
+from _report import add_row, graph_us, markdown_table, publish, report
 from bench_leaves import random_cache
 from model_decode import V32, Model
 
@@ -84,8 +84,7 @@ def main() -> None:
     for shape in args.shapes:
         batch, length = (int(x) for x in shape.split("x"))
         for freq in args.freqs:
-            rows.append(bench(batch, length, dsa.IndexShare.every(args.layers, freq)))
-            print(" | ".join(str(c) for c in rows[-1]), flush=True)
+            add_row(rows, bench(batch, length, dsa.IndexShare.every(args.layers, freq)))
             torch._dynamo.reset()  # the last model's compiled code, then its caches
             gc.collect()
             torch.cuda.empty_cache()
