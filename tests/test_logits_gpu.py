@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import reference_compute as ref
 import torch
+from cuda_graphs import capture
 
 from dsa.ops.logits import deepgemm, paged_backend, paged_logits, ragged_logits
 from dsa.ops.logits.paged import PagedLogitsConfig, paged_logits_triton
@@ -267,19 +268,11 @@ def test_paged_logits_compiled_and_graphed(backend):
     assert torch.equal(compiled(*case.inputs)[valid], eager[valid])
 
     static = [t.clone() for t in case.inputs]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            compiled(*static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graphed = compiled(*static)
+    replay, graphed = capture(compiled, *static)
     new = Decode(7, 16, 2, 8192)
     for dst, src in zip(static, new.inputs, strict=True):
         dst.copy_(src)
-    graph.replay()
+    replay()
     want = step(*new.inputs)
     valid = new.valid()
     assert torch.equal(graphed[valid], want[valid])
