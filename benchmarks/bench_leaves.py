@@ -90,7 +90,6 @@ def main() -> None:
     table = markdown_table(header, rows)
     text = report(
         "Decode leaves: paged MQA logits and top-k",
-        "python benchmarks/bench_leaves.py",
         table,
         notes=(f"H={H}, D={D}, block {BS}, top-k {TOPK}, full contexts; copy bandwidth "
                f"{bandwidth / 1e12:.2f} TB/s (read + write); medians of CUDA-graph replays "

@@ -196,7 +196,6 @@ def run_table(out: str | None) -> None:
     goals = goal_lines(stats)
     text = report(
         "Paged logits for next_n 1-4 (MTP): Triton vs DeepGEMM against the floors",
-        "python benchmarks/bench_logits_sweep.py",
         markdown_table(header, rows) + "\n\n" + "\n".join(f"- {g}" for g in goals),
         notes=(f"H={HEADS}, D={HEAD_DIM}, block {BLOCK_SIZE}, full contexts (row j sees "
                f"L - next_n + 1 + j keys); copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + "

@@ -99,7 +99,6 @@ def main() -> None:
                 add_row(rows, row)
     text = report(
         "Decode metadata build: fused op vs the small ops",
-        "python benchmarks/bench_metadata.py",
         markdown_table(header, rows),
         notes=("native layout, next_n 1, full contexts, block 64, `num_blocks` set; both "
                "builds compiled (fullgraph) and timed as CUDA-graph replays (10 builds per "

@@ -90,8 +90,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     text = report(
         f"A model's decode step: {args.layers} indexer layers in one CUDA graph",
-        "python benchmarks/bench_model.py " + " ".join(sys.argv[1:]),
         markdown_table(header, rows),
+        command="python benchmarks/bench_model.py " + " ".join(sys.argv[1:]),
         notes=(f"DeepSeek V3.2 sizes (hidden {V32.hidden}, q_lora_rank {V32.q_lora_rank}, "
                f"H={V32.num_heads}, D={V32.head_dim}, top-k {V32.topk}), next_n 1, full "
                "contexts, bf16, logits backend auto; metadata built once per step; full "

@@ -146,7 +146,6 @@ def main() -> None:
         torch.cuda.empty_cache()
     text = report(
         "Chunked prefill: ragged logits and top-k per chunk",
-        "python benchmarks/bench_prefill.py",
         markdown_table(header, rows),
         notes=(f"H={H}, D={D}, top-k {TOPK}, whole prompts (causal), logits budget "
                f"{args.logits_gib:g} GiB per chunk; each time is the sum over the prompt's "

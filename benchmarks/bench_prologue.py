@@ -94,7 +94,7 @@ def main() -> None:
              f"(profiler); copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     title = "Indexer prologue: RoPE + Hadamard + fp8 quantisation + K-cache write"
     table = markdown_table(header, rows)
-    publish(report(title, "python benchmarks/bench_prologue.py", table, notes), args.out)
+    publish(report(title, table, notes), args.out)
 
 if __name__ == "__main__":
     main()

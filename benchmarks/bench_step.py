@@ -144,7 +144,6 @@ def main() -> None:
         torch.cuda.empty_cache()
     text = report(
         "Decode step of one indexer layer: replay paths of the CUDA graph vs eager",
-        "python benchmarks/bench_step.py",
         markdown_table(header, rows),
         notes=(f"hidden {HIDDEN}, q_lora_rank {Q_LORA_RANK}, H=64, D=128, top-k 2048, "
                "next_n 1, full contexts, bf16, logits backend auto, `num_blocks` set; a full "
