@@ -96,5 +96,6 @@ def main() -> None:
     table = markdown_table(header, rows)
     publish(report(title, table, notes), args.out)
 
+
 if __name__ == "__main__":
     main()

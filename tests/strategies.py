@@ -139,8 +139,8 @@ def dcp_configs(worlds: tuple[int, ...] = (1, 2, 4)) -> st.SearchStrategy:
 
 
 @st.composite
-def topk_rows(draw: st.DrawFn, max_rows: int, max_cols: int, ks: tuple[int, ...],
-              ) -> tuple[int, int, int, torch.Generator, torch.Tensor]:
+def topk_rows(draw: st.DrawFn, max_rows: int, max_cols: int,
+              ks: tuple[int, ...]) -> tuple[int, int, int, torch.Generator, torch.Tensor]:
     """``(rows, n, k, gen, lengths)`` of a top-k case over ``[rows, n]`` logits: int32
     lengths around 0, k and n (negative and past n too), ``gen`` seeded for the values."""
     rows = draw(st.integers(1, max_rows))

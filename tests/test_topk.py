@@ -172,7 +172,7 @@ def topk_indices(face: str, case: tuple) -> None:
 
 
 def topk_indices_and_slots(face: str, case: tuple, bf16: bool, block_size: int) -> None:
-    """bf16 logits select on their own values; the slots are those of the indices."""
+    """Logits (bf16 too) select on their own values; the slots are those of the indices."""
     logits, lengths, k, starts = case
     if bf16:
         logits = logits.bfloat16()
