@@ -7,6 +7,7 @@ import datetime
 import os
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -76,8 +77,16 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     return "\n".join(lines)
 
 
-def report(title: str, command: str, table: str, notes: str = "") -> str:
-    """A BENCHMARKS.md section: date, GPU, software, commit, command, table."""
+def add_row(rows: list[Sequence[object]], row: Sequence[object]) -> None:
+    """Appends ``row`` to a report's ``rows`` and prints it at once (long runs show progress)."""
+    rows.append(row)
+    print(" | ".join(str(c) for c in row), flush=True)
+
+
+def report(title: str, table: str, notes: str = "", *, command: str | None = None) -> str:
+    """A BENCHMARKS.md section: date, GPU, software, commit, command, table. ``command``:
+    how the benchmark ran (default: ``python benchmarks/<this script>``)."""
+    command = command or f"python benchmarks/{os.path.basename(sys.argv[0])}"
     commit = os.environ.get("DSA_COMMIT") or _git_commit()
     gpu = torch.cuda.get_device_name()
     header = (

@@ -171,7 +171,7 @@ def worker(rank: int, store_path: str, shapes: list[tuple[int, int]], out: str |
     if rank == 0:
         text = report(
             "Decode context parallelism on 2 GPUs: exact cross-rank top-k",
-            command, markdown_table(header, rows),
+            markdown_table(header, rows), command=command,
             notes=(f"one indexer layer, hidden {HIDDEN}, q_lora_rank {Q_LORA_RANK}, H=64, "
                    f"D=128, top-k {TOPK}, next_n 1, full contexts, bf16, logits backend "
                    "auto; each rank holds half of every context; CUDA-graph replay device "

@@ -89,7 +89,7 @@ def main() -> None:
              f"{runs['0'][name] / runs['1'][name]:.2f}x"] for name in runs["0"]]
     text = report(
         f"Host time per call outside a graph: custom_op vs triton_op (B = {BATCH}, "
-        f"L = {LENGTH})", "python benchmarks/bench_host_ops.py",
+        f"L = {LENGTH})",
         markdown_table(["call", "custom_op µs", "triton_op µs", "custom / triton"], rows),
         "host µs with the GPU drained first, except the last row (device µs of a replay)",
     )

@@ -20,7 +20,7 @@ import dsa
 from dsa.ops.logits.deepgemm import deepgemm_paged_supported
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import bench_parser, copy_bandwidth, graph_us, markdown_table, publish, report
+from _report import add_row, bench_parser, copy_bandwidth, graph_us, markdown_table, publish, report
 
 SHAPES = [(1, 1, 4096), (1, 1, 65536), (8, 1, 32768), (32, 1, 32768), (64, 1, 65536),
           (128, 1, 32768), (64, 2, 32768), (256, 1, 8192)]
@@ -85,13 +85,11 @@ def main() -> None:
               "DeepGEMM + masked torch.topk µs"]
     rows = []
     for shape in SHAPES:
-        rows.append(bench_shape(*shape, bandwidth))
-        print(" | ".join(str(c) for c in rows[-1]), flush=True)
+        add_row(rows, bench_shape(*shape, bandwidth))
         torch.cuda.empty_cache()
     table = markdown_table(header, rows)
     text = report(
         "Decode leaves: paged MQA logits and top-k",
-        "python benchmarks/bench_leaves.py",
         table,
         notes=(f"H={H}, D={D}, block {BS}, top-k {TOPK}, full contexts; copy bandwidth "
                f"{bandwidth / 1e12:.2f} TB/s (read + write); medians of CUDA-graph replays "

@@ -33,7 +33,7 @@ from dsa.ops.logits import deepgemm, paged_backend
 from dsa.ops.logits.paged import PagedLogitsConfig, paged_logits_config, paged_logits_triton
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import bench_parser, copy_bandwidth, graph_us, markdown_table, publish, report
+from _report import add_row, bench_parser, copy_bandwidth, graph_us, markdown_table, publish, report
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 64, 128, 64
 L2_BYTES = 50 * 2**20
@@ -191,13 +191,11 @@ def run_table(out: str | None) -> None:
     rows, stats = [], []
     for (batch, context), next_n in itertools.product(TABLE_SHAPES, NEXT_N):
         row, stat = table_row(batch, context, next_n, bandwidth, flops, device)
-        rows.append(row)
+        add_row(rows, row)
         stats.append(stat)
-        print(" | ".join(str(c) for c in row), flush=True)
     goals = goal_lines(stats)
     text = report(
         "Paged logits for next_n 1-4 (MTP): Triton vs DeepGEMM against the floors",
-        "python benchmarks/bench_logits_sweep.py",
         markdown_table(header, rows) + "\n\n" + "\n".join(f"- {g}" for g in goals),
         notes=(f"H={HEADS}, D={HEAD_DIM}, block {BLOCK_SIZE}, full contexts (row j sees "
                f"L - next_n + 1 + j keys); copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + "

@@ -22,7 +22,7 @@ from dsa.meta.decode import max_context_len
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from _report import bench_parser, graph_us, markdown_table, publish, report
+from _report import add_row, bench_parser, graph_us, markdown_table, publish, report
 from decode_composition import composed_decode_metadata
 
 SHAPES = [(1, 4096), (1, 65536), (8, 32768), (64, 65536)]
@@ -96,11 +96,9 @@ def main() -> None:
         for backend in BACKENDS:
             row = bench_shape(batch, length, backend)
             if row is not None:
-                rows.append(row)
-                print(" | ".join(str(c) for c in row), flush=True)
+                add_row(rows, row)
     text = report(
         "Decode metadata build: fused op vs the small ops",
-        "python benchmarks/bench_metadata.py",
         markdown_table(header, rows),
         notes=("native layout, next_n 1, full contexts, block 64, `num_blocks` set; both "
                "builds compiled (fullgraph) and timed as CUDA-graph replays (10 builds per "

@@ -23,7 +23,7 @@ import dsa
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-from _report import graph_us, markdown_table, publish, report
+from _report import add_row, graph_us, markdown_table, publish, report
 from bench_leaves import random_cache
 from model_decode import V32, Model
 
@@ -84,15 +84,14 @@ def main() -> None:
     for shape in args.shapes:
         batch, length = (int(x) for x in shape.split("x"))
         for freq in args.freqs:
-            rows.append(bench(batch, length, dsa.IndexShare.every(args.layers, freq)))
-            print(" | ".join(str(c) for c in rows[-1]), flush=True)
+            add_row(rows, bench(batch, length, dsa.IndexShare.every(args.layers, freq)))
             torch._dynamo.reset()  # the last model's compiled code, then its caches
             gc.collect()
             torch.cuda.empty_cache()
     text = report(
         f"A model's decode step: {args.layers} indexer layers in one CUDA graph",
-        "python benchmarks/bench_model.py " + " ".join(sys.argv[1:]),
         markdown_table(header, rows),
+        command="python benchmarks/bench_model.py " + " ".join(sys.argv[1:]),
         notes=(f"DeepSeek V3.2 sizes (hidden {V32.hidden}, q_lora_rank {V32.q_lora_rank}, "
                f"H={V32.num_heads}, D={V32.head_dim}, top-k {V32.topk}), next_n 1, full "
                "contexts, bf16, logits backend auto; metadata built once per step; full "

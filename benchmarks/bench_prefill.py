@@ -24,7 +24,7 @@ import dsa
 from dsa.ops.logits.deepgemm import deepgemm_mqa_supported
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import bench_parser, device_us, markdown_table, publish, report
+from _report import add_row, bench_parser, device_us, markdown_table, publish, report
 from bench_leaves import BS, TOPK, D, H, random_cache
 
 PROMPTS = {"1 x 32K": [32768], "4 x 8K": [8192] * 4, "1 x 128K": [131072]}
@@ -142,12 +142,10 @@ def main() -> None:
               "speed-up", "dsa best logits + top-k ms", "DeepGEMM + masked torch.topk ms"]
     rows = []
     for name, prompts in PROMPTS.items():
-        rows.append(bench_prompts(name, prompts, budget, rate))
-        print(" | ".join(str(c) for c in rows[-1]), flush=True)
+        add_row(rows, bench_prompts(name, prompts, budget, rate))
         torch.cuda.empty_cache()
     text = report(
         "Chunked prefill: ragged logits and top-k per chunk",
-        "python benchmarks/bench_prefill.py",
         markdown_table(header, rows),
         notes=(f"H={H}, D={D}, top-k {TOPK}, whole prompts (causal), logits budget "
                f"{args.logits_gib:g} GiB per chunk; each time is the sum over the prompt's "

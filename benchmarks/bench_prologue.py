@@ -25,7 +25,7 @@ from dsa.rope import rope_table
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _report import copy_bandwidth, graph_us, markdown_table, publish, report  # noqa: E402
+from _report import add_row, copy_bandwidth, graph_us, markdown_table, publish, report  # noqa: E402
 from unfused import hadamard_matrix, unfused_prologue  # noqa: E402
 
 TOKENS = (1, 64, 128)
@@ -86,8 +86,7 @@ def main() -> None:
               "bytes floor µs"]
     rows = []
     for num_tokens in TOKENS:
-        rows.append(bench_tokens(num_tokens, bandwidth))
-        print(" | ".join(str(c) for c in rows[-1]), flush=True)
+        add_row(rows, bench_tokens(num_tokens, bandwidth))
     notes = (f"H={H}, D={D}, rope_dim={ROPE_DIM}, bf16, block {BS}; unfused = neox_rope, Hadamard "
              "matmul, quantize_q, quantize_and_cache_k under torch.compile; fused = "
              "rope_hadamard_quantize_q + rope_hadamard_quantize_and_cache_k; medians of "
@@ -95,7 +94,8 @@ def main() -> None:
              f"(profiler); copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     title = "Indexer prologue: RoPE + Hadamard + fp8 quantisation + K-cache write"
     table = markdown_table(header, rows)
-    publish(report(title, "python benchmarks/bench_prologue.py", table, notes), args.out)
+    publish(report(title, table, notes), args.out)
+
 
 if __name__ == "__main__":
     main()

@@ -28,7 +28,15 @@ import dsa
 from dsa.graphs import DecodeGraphRunner
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import bench_parser, device_us, host_us_per_call, markdown_table, publish, report
+from _report import (
+    add_row,
+    bench_parser,
+    device_us,
+    host_us_per_call,
+    markdown_table,
+    publish,
+    report,
+)
 from bench_leaves import random_cache
 from host_metadata import host_built_decode_metadata
 
@@ -132,12 +140,10 @@ def main() -> None:
     rows = []
     for shape in SHAPES:
         for row in bench_shape(*shape):
-            rows.append(row)
-            print(" | ".join(str(c) for c in row), flush=True)
+            add_row(rows, row)
         torch.cuda.empty_cache()
     text = report(
         "Decode step of one indexer layer: replay paths of the CUDA graph vs eager",
-        "python benchmarks/bench_step.py",
         markdown_table(header, rows),
         notes=(f"hidden {HIDDEN}, q_lora_rank {Q_LORA_RANK}, H=64, D=128, top-k 2048, "
                "next_n 1, full contexts, bf16, logits backend auto, `num_blocks` set; a full "

@@ -204,9 +204,10 @@ def main() -> None:
          *(f"{rows}x{n} {mode}" for rows, n in SHAPES for mode in ("warm", "flushed"))],
         variants)
     command = "python benchmarks/bench_topk_sweep.py" + (" --quick" if args.quick else "")
-    publish(report("Top-k: topk_indices, topk_indices_and_slots, masked torch.topk", command,
+    publish(report("Top-k: topk_indices, topk_indices_and_slots, masked torch.topk",
                    markdown_table(header, table) + "\n\nVariants (fused op, fp32, all "
-                   "lengths; warm / flushed µs):\n\n" + variant_table, notes), args.out)
+                   "lengths; warm / flushed µs):\n\n" + variant_table, notes, command=command),
+            args.out)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from cuda_graphs import capture
 
 import dsa
 from dsa.distributed import NCCL_NO_MULTICAST, dcp_topk
@@ -282,22 +283,6 @@ def step_worker(rank: int, world: int, store_path: str, backend: str, steps: int
 
 
 # --- GPU: NCCL, torch.compile, one CUDA graph per rank ---------------------------------------
-
-
-def capture(fn: Callable, *args) -> tuple[Callable[[], object], object]:
-    """``fn(*args)`` warmed up on a side stream, then captured as one CUDA graph; returns
-    (replay, the graph's outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*args)
-    return graph.replay, out
 
 
 def gpu_worker(rank: int, world: int, store_path: str, compile_backend: str) -> None:

@@ -1,4 +1,5 @@
-"""Hypothesis strategies for a step's batch, shared by the metadata and builder tests.
+"""Hypothesis strategies for a step's batch, shared by the metadata and builder tests, and
+for the rows of a top-k case, shared by the top-k tests.
 
 A ``BatchSpec`` holds host lists (for the loop reference) and builds the tensors the ops
 take: ``tensors()`` gives the fields of ``dsa.meta.batch.Batch`` in its order, so
@@ -135,3 +136,19 @@ def prefill_batches(max_reqs: int = 4, **kwargs) -> st.SearchStrategy:
 def dcp_configs(worlds: tuple[int, ...] = (1, 2, 4)) -> st.SearchStrategy:
     """(world, rank): every rank of every world size in ``worlds``."""
     return st.sampled_from([(w, k) for w in worlds for k in range(w)])
+
+
+@st.composite
+def topk_rows(draw: st.DrawFn, max_rows: int, max_cols: int,
+              ks: tuple[int, ...]) -> tuple[int, int, int, torch.Generator, torch.Tensor]:
+    """``(rows, n, k, gen, lengths)`` of a top-k case over ``[rows, n]`` logits: int32
+    lengths around 0, k and n (negative and past n too), ``gen`` seeded for the values."""
+    rows = draw(st.integers(1, max_rows))
+    n = draw(st.integers(0, max_cols))
+    k = draw(st.sampled_from(ks))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    lens = draw(st.lists(st.sampled_from([0, 1, k - 1, k, k + 1, n, n + 7, -3, None]),
+                         min_size=rows, max_size=rows))
+    lengths = torch.tensor([int(torch.randint(0, n + 1, (1,), generator=gen)) if v is None
+                            else v for v in lens], dtype=torch.int32)
+    return rows, n, k, gen, lengths

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import reference_compute as ref
 import torch
+from cuda_graphs import capture
 
 from dsa.ops.logits import deepgemm, paged_backend, paged_logits, ragged_logits
 from dsa.ops.logits.paged import PagedLogitsConfig, paged_logits_triton
@@ -120,6 +121,25 @@ def gpu_relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
     return 0.0 if denominator == 0 else float(1 - 2 * (x * y).sum() / denominator)
 
 
+def triton_logits(case, op, width: int) -> torch.Tensor:
+    """``op``, a Triton logits op, on ``case`` (a ``Decode`` or ``Prefill``) with its fresh
+    outputs poisoned: -inf exactly past each row's keys. Returns the logits."""
+    with ref.poisoned_empty():
+        out = op(*case.inputs, width)
+    assert torch.equal(torch.isneginf(out), ~case.valid())
+    return out
+
+
+def deepgemm_logits(case, op, triton_op, width: int) -> torch.Tensor:
+    """``op``, a DeepGEMM logits op, on ``case``: rows padded to 256 columns, valid entries
+    as the Triton op ``triton_op`` computes them. Returns the logits."""
+    out = op(*case.inputs, width)
+    assert out.stride() == (_cdiv(width, 256) * 256, 1)
+    valid = case.valid()
+    assert gpu_relative_error(out[valid], triton_op(*case.inputs, width)[valid]) < 1e-5
+    return out
+
+
 DECODE_SHAPES = [
     # batch, next_n, max_context_len
     (1, 1, 4096),
@@ -144,11 +164,8 @@ MTP_SHAPES = [
 @pytest.mark.parametrize("shape", DECODE_SHAPES + MTP_SHAPES)
 def test_triton_paged_logits(shape):
     case = Decode(0, *shape)
-    with ref.poisoned_empty():
-        out = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len)
-    valid = case.valid()
-    assert torch.equal(torch.isneginf(out), ~valid)
-    assert torch.isfinite(out[valid]).all()
+    out = triton_logits(case, torch.ops.dsa.paged_mqa_logits, case.max_len)
+    assert torch.isfinite(out[case.valid()]).all()
     check_sampled_rows(case, out, masked=True)
 
 
@@ -157,12 +174,10 @@ def test_triton_paged_logits(shape):
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
 def test_deepgemm_paged_logits(shape):
     case = Decode(1, *shape)
-    out = torch.ops.dsa.paged_mqa_logits_deepgemm(*case.inputs, case.max_len)
-    assert out.stride() == (_cdiv(case.max_len, 256) * 256, 1)
-    triton_out = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len)
-    valid = case.valid()
-    assert gpu_relative_error(out[valid], triton_out[valid]) < 1e-5
+    out = deepgemm_logits(case, torch.ops.dsa.paged_mqa_logits_deepgemm,
+                          torch.ops.dsa.paged_mqa_logits, case.max_len)
     check_sampled_rows(case, out, masked=False)
+    valid = case.valid()
     # "auto" picks DeepGEMM here; an explicit schedule gives the same result.
     auto = paged_logits(*case.inputs, case.max_len)
     assert torch.equal(auto[valid], out[valid])
@@ -267,19 +282,11 @@ def test_paged_logits_compiled_and_graphed(backend):
     assert torch.equal(compiled(*case.inputs)[valid], eager[valid])
 
     static = [t.clone() for t in case.inputs]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            compiled(*static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graphed = compiled(*static)
+    replay, graphed = capture(compiled, *static)
     new = Decode(7, 16, 2, 8192)
     for dst, src in zip(static, new.inputs, strict=True):
         dst.copy_(src)
-    graph.replay()
+    replay()
     want = step(*new.inputs)
     valid = new.valid()
     assert torch.equal(graphed[valid], want[valid])
@@ -342,10 +349,7 @@ PREFILL_SHAPES = [
 @pytest.mark.parametrize("shape", PREFILL_SHAPES)
 def test_triton_mqa_logits(shape):
     case = Prefill(0, *shape)
-    with ref.poisoned_empty():
-        out = torch.ops.dsa.mqa_logits(*case.inputs, case.max_seqlen_k)
-    valid = case.valid()
-    assert torch.equal(torch.isneginf(out), ~valid)
+    out = triton_logits(case, torch.ops.dsa.mqa_logits, case.max_seqlen_k)
     case.check_sampled_rows(out, masked=True)
 
 
@@ -354,12 +358,10 @@ def test_triton_mqa_logits(shape):
 @pytest.mark.parametrize("shape", PREFILL_SHAPES)
 def test_deepgemm_mqa_logits(shape):
     case = Prefill(1, *shape)
-    out = torch.ops.dsa.mqa_logits_deepgemm(*case.inputs, case.max_seqlen_k)
-    assert out.stride() == (_cdiv(case.max_seqlen_k, 256) * 256, 1)
-    triton_out = mqa_logits_triton(*case.inputs, case.max_seqlen_k)
-    valid = case.valid()
-    assert gpu_relative_error(out[valid], triton_out[valid]) < 1e-5
+    out = deepgemm_logits(case, torch.ops.dsa.mqa_logits_deepgemm, mqa_logits_triton,
+                          case.max_seqlen_k)
     case.check_sampled_rows(out, masked=False)
+    valid = case.valid()
     auto = ragged_logits(*case.inputs, case.max_seqlen_k)
     assert torch.equal(auto[valid], out[valid])
 

@@ -13,18 +13,10 @@ import numpy as np
 import pytest
 import reference_compute as ref
 import torch
-from faces import (
-    CPU_EXAMPLES,
-    FACE_NAMES,
-    HAS_CUDA,
-    KERNEL_EXAMPLES,
-    KERNEL_MARK,
-    i32,
-    run_op,
-    validation_test,
-)
+from faces import FACE_NAMES, HAS_CUDA, face_tests, i32, run_op, validation_test
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import topk_rows
 from test_slots import slots_case
 
 from dsa.ops import FACES
@@ -156,15 +148,7 @@ def make_logits(gen, values, lo, hi, *, pad: int = 256, offset: int = 0):
 @st.composite
 def topk_cases(draw, max_rows=4, max_cols=600, ks=(1, 8, 64, 100)):
     """(logits, lengths, k, starts): lengths around 0, k and N; optional starts."""
-    rows = draw(st.integers(1, max_rows))
-    n = draw(st.integers(0, max_cols))
-    k = draw(st.sampled_from(ks))
-    lens = draw(st.lists(st.sampled_from([0, 1, k - 1, k, k + 1, n, n + 7, -3, None]),
-                         min_size=rows, max_size=rows))
-    seed = draw(st.integers(0, 2**31 - 1))
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([torch.randint(0, n + 1, (1,), generator=gen).item() if v is None
-                            else v for v in lens], dtype=torch.int32)
+    rows, n, k, gen, lengths = draw(topk_rows(max_rows, max_cols, ks))
     starts = None
     if draw(st.booleans()):
         starts = torch.randint(-2, max(n // 3, 1), (rows,), generator=gen).to(torch.int32)
@@ -181,45 +165,27 @@ def topk_cases(draw, max_rows=4, max_cols=600, ks=(1, 8, 64, 100)):
 # --- both faces ----------------------------------------------------------------------------
 
 
-@CPU_EXAMPLES
-@given(case=topk_cases())
-def test_cpu_face(case):
+def topk_indices(face: str, case: tuple) -> None:
+    """The op with its default launch (rows this short are read whole by the CUDA face)."""
     logits, lengths, k, starts = case
-    check_both(logits, lengths, k, starts, run_op("cpu", "topk_indices", *case))
+    check_both(logits, lengths, k, starts, run_op(face, "topk_indices", *case))
 
 
-@KERNEL_MARK
-@KERNEL_EXAMPLES
-@given(case=topk_cases())
-def test_kernel_face(case):
-    """The CUDA face with its default launch (rows this short are read whole)."""
-    logits, lengths, k, starts = case
-    check_both(logits, lengths, k, starts, run_op("kernel", "topk_indices", *case))
-
-
-@CPU_EXAMPLES
-@given(case=topk_cases(), block_size=st.sampled_from([1, 16, 64]))
-def test_cpu_face_bf16_and_slots(case, block_size):
-    """bf16 logits select on their own values; the slots are those of the indices."""
-    logits, lengths, k, starts = case
-    logits = logits.bfloat16()
-    table = slot_table(k, logits.shape[0], logits.shape[1], block_size)
-    out, slots = run_op("cpu", "topk_indices_and_slots", logits, lengths, k, *table, starts)
-    check_both(logits.float(), lengths, k, starts, out)
-    check_slots(out, slots, *table)
-
-
-@KERNEL_MARK
-@KERNEL_EXAMPLES
-@given(case=topk_cases(), bf16=st.booleans(), block_size=st.sampled_from([1, 16, 64]))
-def test_kernel_face_slots(case, bf16, block_size):
+def topk_indices_and_slots(face: str, case: tuple, bf16: bool, block_size: int) -> None:
+    """Logits (bf16 too) select on their own values; the slots are those of the indices."""
     logits, lengths, k, starts = case
     if bf16:
         logits = logits.bfloat16()
     table = slot_table(k, logits.shape[0], logits.shape[1], block_size)
-    out, slots = run_op("kernel", "topk_indices_and_slots", logits, lengths, k, *table, starts)
+    out, slots = run_op(face, "topk_indices_and_slots", logits, lengths, k, *table, starts)
     check_both(logits.float(), lengths, k, starts, out)
     check_slots(out, slots, *table)
+
+
+test_topk_indices_cpu, test_topk_indices_kernel = face_tests(topk_indices, {"case": topk_cases()})
+test_topk_indices_and_slots_cpu, test_topk_indices_and_slots_kernel = face_tests(
+    topk_indices_and_slots,
+    {"case": topk_cases(), "bf16": st.booleans(), "block_size": st.sampled_from([1, 16, 64])})
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")

@@ -7,15 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from faces import (
-    FACE_NAMES,
-    face_tests,
-    i32,
-    opcheck_test,
-    run_op,
-    validation_test,
-)
+from faces import FACE_NAMES, face_tests, i32, opcheck_test, run_op, validation_test
 from hypothesis import strategies as st
+from strategies import topk_rows
 
 from dsa.ops.dcp import global_positions, local_share, owned_indices
 from tests import reference_compute as ref
@@ -50,18 +44,15 @@ def with_junk(gen: torch.Generator, x: torch.Tensor, lengths: torch.Tensor) -> t
 @st.composite
 def scored_cases(draw, max_rows=4, max_cols=300, ks=(1, 5, 16, 64)):
     """(logits, lengths, k): lengths around 0, k and N, maybe shaped [B, 2]."""
-    rows = draw(st.integers(1, max_rows))
-    n = draw(st.integers(0, max_cols))
-    k = draw(st.sampled_from(ks))
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    lens = draw(st.lists(st.sampled_from([0, 1, k - 1, k, k + 1, n, n + 5, -2, None]),
-                         min_size=rows, max_size=rows))
-    lengths = i32([int(torch.randint(0, n + 1, (1,), generator=gen)) if v is None else v
-                   for v in lens])
+    rows, n, k, gen, lengths = draw(topk_rows(max_rows, max_cols, ks))
     logits = with_junk(gen, values(gen, rows, n, draw(st.sampled_from(KINDS))), lengths)
     if rows % 2 == 0 and draw(st.booleans()):
         lengths = lengths.view(rows // 2, 2)
     return logits, lengths, k
+
+
+# Cases for the kernel faces: the interpreter is slow.
+KERNEL_SIZES = {"max_rows": 2, "max_cols": 120, "ks": (1, 5, 16)}
 
 
 def check_against(want: list[list[tuple[int, float]]], got: tuple[torch.Tensor, torch.Tensor]):
@@ -79,19 +70,23 @@ def check_against(want: list[list[tuple[int, float]]], got: tuple[torch.Tensor, 
     assert np.array_equal(got_scores.view(np.int32)[~nan], want_scores.view(np.int32)[~nan])
 
 
-def check_scored(face: str, logits: torch.Tensor, lengths: torch.Tensor, k: int) -> None:
+def check_op(face: str, name: str, args: tuple, want: list[list[tuple[int, float]]]) -> tuple:
+    """Op ``name`` on ``args`` (its fresh outputs poisoned) against the loop reference's
+    ``want``; returns the outputs."""
     with ref.poisoned_empty():
-        got = run_op(face, "topk_scored", logits, lengths, k)
-    check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), got)
+        got = run_op(face, name, *args)
+    check_against(want, got)
+    return got
 
 
-def topk_scored(face: str, case: tuple) -> None:
-    check_scored(face, *case)
+def topk_scored(face: str, case: tuple[torch.Tensor, torch.Tensor, int]) -> None:
+    """The face against the loop reference on ``case = (logits, lengths, k)``."""
+    logits, lengths, k = case
+    check_op(face, "topk_scored", case, ref.topk_scored(logits.numpy(), lengths.numpy(), k))
 
 
 test_topk_scored_cpu, test_topk_scored_kernel = face_tests(
-    topk_scored, {"case": scored_cases()},
-    {"case": scored_cases(max_rows=2, max_cols=120, ks=(1, 5, 16))})
+    topk_scored, {"case": scored_cases()}, {"case": scored_cases(**KERNEL_SIZES)})
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
@@ -110,7 +105,7 @@ def test_topk_scored_takes_the_lowest_equal_positions(face):
     logits = torch.zeros(2, n)
     logits[0, 500:510] = 1.0  # 10 above the tie, 30 of 590 equal ones from column 0
     logits[1, ::7] = -1.0
-    check_scored(face, logits, i32([n, n - 3]), k)
+    topk_scored(face, (logits, i32([n, n - 3]), k))
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
@@ -157,23 +152,19 @@ def merge_cases(draw, **kwargs):
     return logits.contiguous(), lengths.reshape(-1), k, draw(st.integers(1, 4))
 
 
-def check_merge(face: str, logits: torch.Tensor, lengths: torch.Tensor, k: int,
-                world: int) -> None:
+def merge(face: str, case: tuple[torch.Tensor, torch.Tensor, int, int]) -> None:
+    """The merge of ``world`` shards' selections of ``case = (logits, lengths, k, world)``
+    against the loop reference."""
+    logits, lengths, k, world = case
     scores, positions = shard_selections("cpu", logits, lengths, k, world)
-    with ref.poisoned_empty():
-        got = run_op(face, "dcp_merge_topk", scores, positions)
-    check_against(ref.merge_topk(scores.numpy(), positions.numpy()), got)
+    got = check_op(face, "dcp_merge_topk", (scores, positions),
+                   ref.merge_topk(scores.numpy(), positions.numpy()))
     # exact: the merge of the shards' selections is the selection over the whole row
     check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), got)
 
 
-def merge(face: str, case: tuple) -> None:
-    check_merge(face, *case)
-
-
 test_merge_cpu, test_merge_kernel = face_tests(
-    merge, {"case": merge_cases()},
-    {"case": merge_cases(max_rows=2, max_cols=120, ks=(1, 5, 16))})
+    merge, {"case": merge_cases()}, {"case": merge_cases(**KERNEL_SIZES)})
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
@@ -194,8 +185,8 @@ def test_merge_takes_any_candidate_order(face):
     positions[0, 1] = -1
     positions[:, 2, ::2] = -1
     positions[:, 3] = -1
-    got = run_op(face, "dcp_merge_topk", scores, positions)
-    check_against(ref.merge_topk(scores.numpy(), positions.numpy()), got)
+    got = check_op(face, "dcp_merge_topk", (scores, positions),
+                   ref.merge_topk(scores.numpy(), positions.numpy()))
     assert got[0][3].tolist() == [-1] * 6
 
 

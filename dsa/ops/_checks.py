@@ -112,6 +112,15 @@ def check_block_table(op: str, block_table: object, like: Tensor | None = None,
     return block_table.shape[0], block_table.shape[1]
 
 
+def check_paged_requests(op: str, query_start_loc: object, seq_lens: object,
+                         block_table: object) -> tuple[int, int]:
+    """A batch's requests with a paged cache: ``query_start_loc``, then ``seq_lens`` and
+    ``block_table`` with one row per request on its device; returns ``(num_reqs, W)``."""
+    num_reqs = check_query_start_loc(op, query_start_loc)
+    check_seq_lens(op, seq_lens, query_start_loc, num_reqs)
+    return check_block_table(op, block_table, query_start_loc, num_reqs)
+
+
 def check_nonnegative(op: str, name: str, t: Tensor) -> None:
     """Value check for host tensors: every entry >= 0. Device tensors are not read (no sync)."""
     if t.device.type == "cpu" and t.numel() and not _is_fake(t) and bool((t < 0).any()):

@@ -27,11 +27,9 @@ from torch import Tensor
 
 from dsa.ops._checks import (
     POSITION_DTYPES,
-    check_block_table,
     check_dcp,
     check_int,
-    check_query_start_loc,
-    check_seq_lens,
+    check_paged_requests,
     check_size,
     check_tensor,
 )
@@ -69,9 +67,7 @@ def _decode_metadata_out(
     the block table per logits row, int32 ``[T]``, bool ``[T]``, int64 ``[T]``, and DeepGEMM's
     schedule ``[num_sms + 1, 2]`` (``[0, 2]`` without ``deepgemm``)."""
     op = "decode_metadata"
-    num_reqs = check_query_start_loc(op, query_start_loc)
-    check_seq_lens(op, seq_lens, query_start_loc, num_reqs)
-    _, width = check_block_table(op, block_table, query_start_loc, num_reqs)
+    num_reqs, width = check_paged_requests(op, query_start_loc, seq_lens, block_table)
     check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, contiguous=True,
                  like=query_start_loc)
     num_tokens = slot_mapping.shape[0]

@@ -202,8 +202,7 @@ def _host_fill_bits(fill: int, dtype: torch.dtype) -> int:
 def _unpack_decode_rows_cpu(y: Tensor, query_start_loc: Tensor, num_tokens: int,
                             fill: int = -1) -> Tensor:
     out = _unpack_decode_rows_out(y, query_start_loc, num_tokens, fill)
-    num_reqs, next_n = y.shape[:2]
-    width = math.prod(y.shape[2:])
+    (num_reqs, next_n), width = y.shape[:2], math.prod(y.shape[2:])
     # Tokens without a slot read an appended row of `fill`.
     rows = _as_bits(y).reshape(num_reqs * next_n, width)
     rows = torch.cat([rows, _fill_bits(fill, y.dtype, width, y.device)])
@@ -235,8 +234,7 @@ def _unpack_decode_rows_kernel(y_ptr, qsl_ptr, out_ptr, num_tokens, num_reqs, ne
 def _unpack_decode_rows_cuda(y: Tensor, query_start_loc: Tensor, num_tokens: int,
                              fill: int = -1) -> Tensor:
     out = _unpack_decode_rows_out(y, query_start_loc, num_tokens, fill)
-    num_reqs, next_n = y.shape[:2]
-    width = math.prod(y.shape[2:])
+    (num_reqs, next_n), width = y.shape[:2], math.prod(y.shape[2:])
     if out.numel():
         fill_bits = _host_fill_bits(fill, y.dtype)
         block_r, block_c = _tile(num_tokens, width)

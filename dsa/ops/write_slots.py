@@ -26,8 +26,8 @@ from dsa.ops._checks import (
     check_block_table,
     check_dcp,
     check_int,
+    check_paged_requests,
     check_query_start_loc,
-    check_seq_lens,
     check_tensor,
 )
 from dsa.ops._launch import launch_1d
@@ -50,9 +50,7 @@ def _compressed_slot_mapping_out(
     dcp_interleave: int = 1,
 ) -> Tensor:
     op = "compressed_slot_mapping"
-    num_reqs = check_query_start_loc(op, query_start_loc)
-    check_seq_lens(op, seq_lens, query_start_loc, num_reqs)
-    check_block_table(op, block_table, query_start_loc, num_reqs)
+    check_paged_requests(op, query_start_loc, seq_lens, block_table)
     check_int(op, "num_tokens", num_tokens, low=0)
     check_int(op, "block_size", block_size, low=1)
     check_int(op, "compress_ratio", compress_ratio, low=1)
