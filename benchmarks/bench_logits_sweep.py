@@ -145,7 +145,7 @@ def table_row(batch: int, context: int, next_n: int, bandwidth: float, flops: fl
         schedule = torch.ops.dsa.paged_mqa_schedule(inputs[3], BLOCK_SIZE)
         dg_us = cold_us(functools.partial(torch.ops.dsa.paged_mqa_logits_deepgemm, *inputs,
                                           context, schedule))
-    auto = paged_backend("auto", device, HEADS, HEAD_DIM, BLOCK_SIZE, next_n, batch)
+    auto = paged_backend("auto", device, HEADS, HEAD_DIM, BLOCK_SIZE, next_n, batch, context)
     config = paged_logits_config(batch, next_n, HEADS, context)
     row = [batch, context, next_n, f"{working_set / 2**20:.0f}",
            "cold" if working_set <= L2_BYTES else "over L2", f"{floor_us:.1f}",

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from dsa import Batch, DecodeMetadata, IndexerConfig
 from dsa.meta.decode import max_context_len
+from dsa.ops.decode_fused import selection_lens
 from dsa.ops.logits import deepgemm, paged_backend
 
 
@@ -36,12 +37,12 @@ def host_built_decode_metadata(cfg: IndexerConfig, batch: Batch, query_start_loc
     positions = batch.positions
     valid = (requests < num_reqs) & (positions >= 0) & (positions < cfg.max_model_len)
     backend = paged_backend(cfg.logits_backend, device, cfg.num_heads, cfg.head_dim,
-                            cfg.block_size, cfg.next_n)
-    schedule = None
+                            cfg.block_size, cfg.next_n, num_reqs, max_context_len(cfg))
+    schedule_lens = schedule = None
     if backend == "deepgemm":
-        schedule = deepgemm.call("get_paged_mqa_logits_metadata",
-                                 context_lens=context_lens.clamp(min=1), block_kv=cfg.block_size,
-                                 num_sms=deepgemm.num_sms(device))
+        schedule_lens = context_lens.clamp(min=1)
+        schedule = deepgemm.call("get_paged_mqa_logits_metadata", context_lens=schedule_lens,
+                                 block_kv=cfg.block_size, num_sms=deepgemm.num_sms(device))
     return DecodeMetadata(
         layout="native",
         next_n=cfg.next_n,
@@ -53,8 +54,10 @@ def host_built_decode_metadata(cfg: IndexerConfig, batch: Batch, query_start_loc
         token_requests=requests,
         valid_tokens=valid,
         slot_mapping=torch.where(valid, batch.slot_mapping, -1),
+        select_lens=selection_lens(context_lens, valid),
         kpool_slot_mapping=None,
         logits_backend=backend,
+        schedule_lens=schedule_lens,
         schedule=schedule,
         max_context_len=max_context_len(cfg),
         num_blocks=cfg.num_blocks,

@@ -219,10 +219,9 @@ class Indexer(nn.Module):
 
     def _select(self, logits: Tensor, lens: Tensor, meta: DecodeMetadata | PrefillMetadata,
                 tokens: slice) -> tuple[Tensor, Tensor]:
-        """Top-k indices and cache slots of logits rows that are the tokens ``tokens``; a
-        token outside ``meta.valid_tokens`` selects nothing (length 0)."""
-        lens = torch.where(meta.valid_tokens[tokens].view(-1, 1), lens.view(-1, 1), 0)
-        return ops.topk_indices_and_slots(logits, lens, self.cfg.topk,
+        """Top-k indices and cache slots of logits rows that are the tokens ``tokens``, whose
+        lengths ``lens`` are 0 outside ``meta.valid_tokens`` (such a token selects nothing)."""
+        return ops.topk_indices_and_slots(logits, lens.view(-1, 1), self.cfg.topk,
                                           meta.request_block_table, meta.token_requests[tokens],
                                           self.cfg.block_size, self.kv_cache.shape[0])
 
@@ -264,14 +263,15 @@ class Indexer(nn.Module):
         else:
             q_rows = q_fp8.view(rows, meta.next_n, cfg.num_heads, cfg.head_dim)
             w_rows = head_weights
-        args = (q_rows, self.kv_cache, w_rows, meta.context_lens, meta.block_table,
-                meta.max_context_len)
-        if meta.logits_backend == "deepgemm":
-            logits = ops.paged_mqa_logits_deepgemm(*args, meta.schedule)
+        if meta.logits_backend == "deepgemm":  # lengths >= 1, as the schedule's
+            logits = ops.paged_mqa_logits_deepgemm(q_rows, self.kv_cache, w_rows,
+                                                   meta.schedule_lens, meta.block_table,
+                                                   meta.max_context_len, meta.schedule, True)
         else:
-            logits = ops.paged_mqa_logits(*args)
+            logits = ops.paged_mqa_logits(q_rows, self.kv_cache, w_rows, meta.context_lens,
+                                          meta.block_table, meta.max_context_len)
         if self.dcp_group is None and not meta.packed:  # logits rows are the tokens
-            return *self._select(logits, meta.context_lens, meta, slice(None)), None
+            return *self._select(logits, meta.select_lens, meta, slice(None)), None
         if self.dcp_group is None:
             indices = ops.topk_indices(logits, meta.context_lens, cfg.topk)
         else:  # global positions
@@ -309,6 +309,7 @@ class Indexer(nn.Module):
             logits = logits_op(q_fp8[span], k_fp8, k_scale, head_weights[span], chunk.ks,
                                chunk.ke, chunk.max_seqlen_k)
             lens = (chunk.ke - chunk.ks).clamp(0, chunk.max_seqlen_k)
+            lens = torch.where(meta.valid_tokens[span], lens, 0)
             indices[span], slots[span] = self._select(logits, lens, meta, span)
         return indices, slots
 

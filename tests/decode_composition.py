@@ -5,6 +5,7 @@ the fused op and the benchmark's baseline."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 ops = torch.ops.dsa
@@ -33,8 +34,12 @@ def composed_decode_metadata(
     if dcp_world > 1:
         local = ops.dcp_local_lens(global_lens, dcp_world, dcp_rank, dcp_interleave)
     lens = ops.cap_context_lens(local, table, num_blocks, block_size, max_context_len)
-    schedule = query_start_loc.new_zeros((0, 2))
+    row_valid = F.pad(valid.int(), (0, max(0, lens.numel() - num_tokens)))[:lens.numel()]
+    select_lens = torch.where(row_valid.view_as(lens) == 1, lens, 0)  # token row * N + j
+    schedule_lens, schedule = lens[:0], query_start_loc.new_zeros((0, 2))
     if deepgemm:
         table = torch.cat([table[:, :1].clamp(0, num_blocks - 1), table[:, 1:]], dim=1)
+        schedule_lens = lens.clamp(min=1)
         schedule = ops.paged_mqa_schedule(lens, block_size)
-    return global_lens, lens, table, requests, valid, slots, schedule
+    return (global_lens, lens, table, requests, valid, slots, select_lens, schedule_lens,
+            schedule)

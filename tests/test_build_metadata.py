@@ -11,10 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dsa
+import dsa.meta.decode
 from dsa.graphs import pad_batch
 from dsa.meta.batch import Batch
 from dsa.meta.decode import build_decode_metadata, max_context_len
 from dsa.meta.prefill import build_prefill_metadata
+from dsa.ops.logits import deepgemm, paged
 from tests import reference_meta as ref
 from tests.batches import random_decode_batch, table_width
 from tests.faces import CPU_EXAMPLES
@@ -297,3 +299,29 @@ def test_max_context_len():
     cfg = dsa.IndexerConfig(max_num_reqs=1, max_num_batched_tokens=1, max_model_len=1000,
                             compress_ratio=4, dcp_world=4, dcp_rank=3)
     assert max_context_len(cfg) == 63  # 250 states over 4 ranks
+
+
+def test_decode_metadata_auto_backend_by_bucket(monkeypatch):
+    """``build_decode_metadata`` decides once, from the bucket's logits rows and the row
+    width (``max_model_len`` over compression and DCP), not the live lengths."""
+    monkeypatch.setattr(deepgemm, "paged_unsupported_reason", lambda *_: None)
+    monkeypatch.setattr(deepgemm, "num_sms", lambda _: 4)
+    seen = []
+    real = paged.paged_backend
+
+    def spy(*args):
+        seen.append(args[5:])
+        return real(*args)
+
+    monkeypatch.setattr(dsa.meta.decode, "paged_backend", spy)
+    for reqs, max_model_len, dcp in ((8, 32768, 1), (64, 16384, 1), (64, 16384, 4)):
+        cfg = dsa.IndexerConfig(max_num_reqs=reqs, max_num_batched_tokens=reqs,
+                                max_model_len=max_model_len, num_blocks=4, dcp_world=dcp)
+        batch = Batch(torch.arange(reqs + 1, dtype=torch.int32),
+                          torch.ones(reqs, dtype=torch.int32),
+                          torch.zeros(reqs, table_width(cfg), dtype=torch.int32),
+                          torch.zeros(reqs, dtype=torch.long), torch.zeros(reqs, dtype=torch.long))
+        build_decode_metadata(cfg, batch)
+    assert seen == [(1, 8, 32768), (1, 64, 16384), (1, 64, 4096)]
+    assert [real("auto", torch.device("cuda"), 64, 128, 64, *args) for args in seen] == [
+        "triton", "deepgemm", "triton"]

@@ -31,7 +31,7 @@ from dsa.meta.batch import Batch
 from dsa.ops.logits import deepgemm
 
 OUTPUTS = ("global_lens", "context_lens", "block_table", "token_requests", "valid_tokens",
-           "slot_mapping", "schedule")
+           "slot_mapping", "select_lens", "schedule_lens", "schedule")
 
 
 @st.composite
@@ -101,13 +101,16 @@ def test_decode_metadata_worked(face):
     table = i32([[3, -1, 4], [9, 1, 2]])
     args = (i32([0, 2, 3]), i32([20, 5]), table, torch.tensor([18, 70, 4, 0]),
             torch.tensor([100, 101, 102, 103]), False, 2, 1, 1, 0, 1, 6, 8, 24, 64, True)
-    glob, lens, rows, requests, valid, slots, schedule = run_op(face, "decode_metadata", *args)
+    glob, lens, rows, requests, valid, slots, select_lens, schedule_lens, schedule = run_op(
+        face, "decode_metadata", *args)
     assert glob.view(-1).tolist() == [19, 20, 5, 0]
     assert lens.view(-1).tolist() == [8, 8, 0, 0]
     assert rows.tolist() == [[3, -1, 4], [3, -1, 4], [5, 1, 2], [0, 0, 0]]
     assert requests.tolist() == [0, 0, 1, 2]
     assert valid.tolist() == [True, False, True, False]
     assert slots.tolist() == [100, -1, 102, -1]
+    assert select_lens.view(-1).tolist() == [8, 0, 0, 0]
+    assert schedule_lens.view(-1).tolist() == [8, 8, 1, 1]
     assert schedule.shape[1] == 2 and not schedule.any()  # zeros where DeepGEMM cannot run
     assert lens.view(-1).tolist() == [
         row[0] for row in ref.cap_context_lens([[19], [20], [5], [0]], table[[0, 0, 1, 0]].tolist(),

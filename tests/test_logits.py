@@ -214,17 +214,25 @@ def test_paged_chooser_runs_dsa_kernel_off_deepgemm():
 
 
 def test_paged_chooser_auto_rule(monkeypatch):
-    """Where DeepGEMM could run, "auto" takes it unless ``AUTO_TRITON_MAX_BATCH`` says
-    dsa's kernel was measured faster for that next_n and batch."""
+    """Where DeepGEMM could run, "auto" takes it unless the call reads at most
+    ``AUTO_TRITON_MAX_KEYS[next_n]`` keys (rows x max_context_len), where dsa's kernel was
+    measured faster; without the sizes, DeepGEMM."""
     monkeypatch.setattr(deepgemm, "paged_unsupported_reason",
                         lambda *shape: None if shape[-1] in deepgemm.PAGED_NEXT_N else "next_n")
     cuda = torch.device("cuda")
     choose = functools.partial(paged.paged_backend, "auto", cuda, 64, 128, 64)
-    assert [choose(n, 8) for n in (1, 2, 3, 4)] == ["deepgemm"] * 2 + ["triton"] * 2
-    monkeypatch.setattr(paged, "AUTO_TRITON_MAX_BATCH", {1: 4})
-    assert [choose(1, b) for b in (1, 4, 5, None)] == ["triton"] * 2 + ["deepgemm"] * 2
-    assert choose(2, 1) == "deepgemm"
-    assert paged.paged_backend("deepgemm", cuda, 64, 128, 64, 1, 1) == "deepgemm"
+    assert [choose(n) for n in (1, 2, 3, 4)] == ["deepgemm"] * 2 + ["triton"] * 2
+    # the H200 shapes: 1x4K, 1x64K, 8x32K to dsa's kernel; 64x16K, 1x1M to DeepGEMM
+    assert [choose(1, b, n) for b, n in ((1, 4096), (1, 65536), (8, 32768), (64, 16384),
+                                         (1, 2**20))] == ["triton"] * 3 + ["deepgemm"] * 2
+    assert [choose(2, b, n) for b, n in ((1, 4096), (1, 65536), (8, 32768))] == [
+        "triton", "triton", "deepgemm"]
+    assert [choose(1, b, n) for b, n in ((1, None), (None, 4096))] == ["deepgemm"] * 2
+    monkeypatch.setattr(paged, "AUTO_TRITON_MAX_KEYS", {1: 4 * 100})
+    assert [choose(1, b, 100) for b in (1, 4, 5)] == ["triton"] * 2 + ["deepgemm"]
+    assert choose(2, 1, 100) == "deepgemm"
+    assert paged.paged_backend("deepgemm", cuda, 64, 128, 64, 1, 1, 4096) == "deepgemm"
+    assert paged.paged_backend("triton", cuda, 64, 128, 64, 1, 64, 2**20) == "triton"
 
 
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4])

@@ -44,11 +44,16 @@ class DecodeMetadata:
             ``[0, max_model_len)``; no other token writes K or selects keys.
         slot_mapping: int64 ``[T]``, where each token's indexer K goes (-1: nowhere; always
             -1 outside ``valid_tokens``).
+        select_lens: ``context_lens`` with 0 where the logits row's token (row ``r``, slot
+            ``j``: token ``r * next_n + j``) is not in ``valid_tokens``: the lengths top-k
+            selects with when the logits rows are the tokens (not ``packed``).
         kpool_slot_mapping: int64 ``[T]`` kpool tail slots (-1 outside ``valid_tokens``), or
             ``None`` without a tail cache.
         logits_backend: "deepgemm" or "triton", the paged-logits implementation chosen
             once for the step (``cfg.logits_backend`` resolved for this device and shape).
-        schedule: DeepGEMM schedule for ``context_lens`` when DeepGEMM computes the logits.
+        schedule_lens: ``context_lens`` clamped to >= 1 when DeepGEMM computes the logits
+            (the lengths its kernel and ``schedule`` see), else ``None``.
+        schedule: DeepGEMM schedule for ``schedule_lens`` when DeepGEMM computes the logits.
         max_context_len: static width of a logits row.
         num_blocks: the K-cache size the lengths were capped to (``cfg.num_blocks``; None:
             unknown, only negative block ids and the table width cap them).
@@ -64,8 +69,10 @@ class DecodeMetadata:
     token_requests: Tensor
     valid_tokens: Tensor
     slot_mapping: Tensor
+    select_lens: Tensor
     kpool_slot_mapping: Tensor | None
     logits_backend: str
+    schedule_lens: Tensor | None
     schedule: Tensor | None
     max_context_len: int
     num_blocks: int | None
@@ -94,15 +101,16 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
     native = cfg.layout == "native"
     next_n = cfg.next_n if native else 1
     rows = qsl.shape[0] - 1 if native else batch.positions.shape[0]
-    backend = paged_backend(cfg.logits_backend, qsl.device, cfg.num_heads, cfg.head_dim,
-                            cfg.block_size, next_n, rows)
-    request_table, slots = indexer_writes(cfg, batch)
     width = max_context_len(cfg)
+    backend = paged_backend(cfg.logits_backend, qsl.device, cfg.num_heads, cfg.head_dim,
+                            cfg.block_size, next_n, rows, width)
+    request_table, slots = indexer_writes(cfg, batch)
     # One launch: lengths (compressed, DCP-local, capped so that no length reaches past its
     # logits row, its block table or onto a block outside the cache: DeepGEMM trusts its
     # lengths, top-k must never select such keys), the rows' block tables, the token
-    # masks, and with DeepGEMM its schedule.
-    global_lens, local_lens, row_table, token_requests, valid, slot_mapping, schedule = (
+    # masks, the selection lengths, and with DeepGEMM its lengths and schedule.
+    (global_lens, local_lens, row_table, token_requests, valid, slot_mapping, select_lens,
+     schedule_lens, schedule) = (
         ops.decode_metadata(
             qsl, batch.seq_lens, request_table, batch.positions, slots, native, cfg.next_n,
             cfg.compress_ratio, cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
@@ -128,8 +136,10 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
         token_requests=token_requests,
         valid_tokens=valid,
         slot_mapping=slot_mapping,
+        select_lens=select_lens,
         kpool_slot_mapping=kpool_slots,
         logits_backend=backend,
+        schedule_lens=schedule_lens if backend == "deepgemm" else None,
         schedule=schedule if backend == "deepgemm" else None,
         max_context_len=width,
         num_blocks=cfg.num_blocks,

@@ -11,8 +11,13 @@ It equals, bit for bit, this composition of the small ops (``T = len(slot_mappin
             block_table = expand_block_table(query_start_loc, block_table, T)  rows: T tokens
     global_lens  //= compress_ratio
     context_lens = cap_context_lens(dcp_local_lens(global_lens, ...), block_table, ...)
+    select_lens  = where(token row * N + j is a valid token, context_lens[row, j], 0)
     deepgemm: block_table[:, 0] clamped into [0, num_blocks) (DeepGEMM reads a row's first
-              block even at length 0); schedule = paged_mqa_schedule(context_lens, block_size)
+              block even at length 0); schedule_lens = context_lens.clamp(min=1);
+              schedule = paged_mqa_schedule(context_lens, block_size)
+
+``select_lens`` are the lengths top-k selects with when the logits rows are the tokens
+(``DecodeMetadata.packed`` false): a token that is not valid selects nothing.
 
 The Triton face is one kernel built from the small ops' ``@triton.jit`` helpers, plus
 DeepGEMM's schedule kernel when ``deepgemm``; the CPU face composes their torch functions.
@@ -61,11 +66,13 @@ def _decode_metadata_out(
     slot_mapping: Tensor, native: bool, next_n: int, compress_ratio: int, dcp_world: int,
     dcp_rank: int, dcp_interleave: int, num_blocks: int, block_size: int,
     max_context_len: int, max_model_len: int, deepgemm: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(global_lens, context_lens, block_table, token_requests, valid_tokens,
-    slot_mapping, schedule)``: lengths int32 ``[B, next_n]`` (native) or ``[T, 1]`` (flat),
-    the block table per logits row, int32 ``[T]``, bool ``[T]``, int64 ``[T]``, and DeepGEMM's
-    schedule ``[num_sms + 1, 2]`` (``[0, 2]`` without ``deepgemm``)."""
+    slot_mapping, select_lens, schedule_lens, schedule)``: lengths int32 ``[B, next_n]``
+    (native) or ``[T, 1]`` (flat), the block table per logits row, int32 ``[T]``, bool
+    ``[T]``, int64 ``[T]``, lengths like ``context_lens`` (``schedule_lens``: ``[0, N]``
+    without ``deepgemm``), and DeepGEMM's schedule ``[num_sms + 1, 2]`` (``[0, 2]`` without
+    ``deepgemm``)."""
     op = "decode_metadata"
     num_reqs, width = check_paged_requests(op, query_start_loc, seq_lens, block_table)
     check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, contiguous=True,
@@ -92,6 +99,8 @@ def _decode_metadata_out(
         query_start_loc.new_empty(num_tokens, dtype=torch.int32),
         query_start_loc.new_empty(num_tokens, dtype=torch.bool),
         torch.empty_like(slot_mapping),
+        torch.empty_like(lens),
+        lens.new_empty((rows if deepgemm else 0, slots)),
         query_start_loc.new_empty((sms, 2), dtype=torch.int32),
     )
 
@@ -102,7 +111,8 @@ def _decode_metadata_cpu(*args: object) -> tuple[Tensor, ...]:
     (query_start_loc, seq_lens, block_table, positions, slot_mapping, native, next_n,
      compress_ratio, dcp_world, dcp_rank, dcp_interleave, num_blocks, block_size,
      max_context_len, max_model_len, deepgemm) = args
-    global_out, lens_out, table_out, requests_out, valid_out, slots_out, schedule = out
+    (global_out, lens_out, table_out, requests_out, valid_out, slots_out, select_out,
+     schedule_lens, schedule) = out
     num_reqs, num_tokens = seq_lens.numel(), slot_mapping.numel()
     requests = row_requests(query_start_loc, num_tokens)
     valid = valid_tokens(requests, positions, num_reqs, max_model_len)
@@ -117,19 +127,40 @@ def _decode_metadata_cpu(*args: object) -> tuple[Tensor, ...]:
     table_out.copy_(table)
     if deepgemm:
         table_out[:, :1].clamp_(0, num_blocks - 1)
+        schedule_lens.copy_(lens_out.clamp(min=1))
+    select_out.copy_(selection_lens(lens_out, valid))
     global_out.copy_(global_lens)
     requests_out.copy_(requests)
     valid_out.copy_(valid)
     slots_out.copy_(torch.where(valid, slot_mapping, -1))
-    return global_out, lens_out, table_out, requests_out, valid_out, slots_out, schedule.zero_()
+    return (global_out, lens_out, table_out, requests_out, valid_out, slots_out, select_out,
+            schedule_lens, schedule.zero_())
+
+
+def selection_lens(lens: Tensor, valid_tokens: Tensor) -> Tensor:
+    """Torch: ``lens`` ``[rows, N]`` with 0 where token ``row * N + j`` is missing or not in
+    ``valid_tokens``."""
+    valid = valid_tokens.new_zeros(lens.numel())
+    shared = min(valid.numel(), valid_tokens.numel())
+    valid[:shared] = valid_tokens[:shared]
+    return torch.where(valid.view_as(lens), lens, 0)
+
+
+@triton.jit
+def _token_valid(qsl_ptr, positions_ptr, t, t_ok, num_reqs, max_model_len,
+                 SEARCH_STEPS: tl.constexpr):
+    """Requests of the tokens ``t`` (where ``t_ok``) and whether each is a valid token."""
+    requests = row_requests_tl(qsl_ptr, t, num_reqs, SEARCH_STEPS)
+    positions = tl.load(positions_ptr + t, mask=t_ok, other=-1)
+    return requests, t_ok & valid_tokens_tl(requests, positions, num_reqs, max_model_len)
 
 
 @triton.jit(do_not_specialize=["table_stride", "num_reqs", "num_rows", "num_tokens", "width",
                                "num_blocks", "max_context_len", "max_model_len"])
 def _decode_metadata_kernel(
     qsl_ptr, seq_lens_ptr, table_ptr, table_stride, positions_ptr, slots_ptr,
-    global_ptr, lens_ptr, clamped_ptr, table_out_ptr, requests_ptr, valid_ptr, slots_out_ptr,
-    num_reqs, num_rows, num_tokens, width, world, rank, interleave, num_blocks,
+    global_ptr, lens_ptr, select_ptr, clamped_ptr, table_out_ptr, requests_ptr, valid_ptr,
+    slots_out_ptr, num_reqs, num_rows, num_tokens, width, world, rank, interleave, num_blocks,
     max_context_len, max_model_len,
     NATIVE: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, RATIO: tl.constexpr,
     DEEPGEMM: tl.constexpr, BS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
@@ -173,12 +204,14 @@ def _decode_metadata_kernel(
         tl.store(lens_ptr + out, lens, mask=slot_ok)
         if DEEPGEMM:
             tl.store(clamped_ptr + out, tl.maximum(lens, 1), mask=slot_ok)
+        _, out_valid = _token_valid(qsl_ptr, positions_ptr, out, slot_ok & (out < num_tokens),
+                                    num_reqs, max_model_len, SEARCH_STEPS)
+        tl.store(select_ptr + out, tl.where(out_valid, lens, 0), mask=slot_ok)
 
         t = p * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < num_tokens
-        requests = row_requests_tl(qsl_ptr, t, num_reqs, SEARCH_STEPS)
-        positions = tl.load(positions_ptr + t, mask=t_ok, other=-1)
-        valid = t_ok & valid_tokens_tl(requests, positions, num_reqs, max_model_len)
+        requests, valid = _token_valid(qsl_ptr, positions_ptr, t, t_ok, num_reqs, max_model_len,
+                                       SEARCH_STEPS)
         slots = tl.load(slots_ptr + t, mask=t_ok, other=-1)
         tl.store(requests_ptr + t, requests, mask=t_ok)
         tl.store(valid_ptr + t, valid, mask=t_ok)
@@ -191,23 +224,25 @@ def _decode_metadata_cuda(*args: object) -> tuple[Tensor, ...]:
     (query_start_loc, seq_lens, block_table, positions, slot_mapping, native, _,
      compress_ratio, dcp_world, dcp_rank, dcp_interleave, num_blocks, block_size,
      max_context_len, max_model_len, deepgemm) = args
-    global_lens, lens, table_out, requests, valid, slots, schedule = out
+    (global_lens, lens, table_out, requests, valid, slots, select_lens, schedule_lens,
+     schedule) = out
     num_reqs, num_tokens = seq_lens.numel(), slot_mapping.numel()
     (rows, slots_per_row), width = lens.shape, block_table.shape[1]
-    clamped = torch.empty_like(lens) if deepgemm else lens
+    clamped = schedule_lens if deepgemm else lens  # not written without DeepGEMM
     block_t = block_for(num_tokens)
     grid = (max(rows, triton.cdiv(num_tokens, block_t)),
             max(1, triton.cdiv(width, block_for(width))))
     if grid[0]:
         _decode_metadata_kernel[grid](
             query_start_loc, seq_lens, block_table, block_table.stride(0), positions,
-            slot_mapping, global_lens, lens, clamped, table_out, requests, valid, slots,
-            num_reqs, rows, num_tokens, width, dcp_world, dcp_rank, dcp_interleave, num_blocks,
-            max_context_len, max_model_len, NATIVE=native, N=slots_per_row,
+            slot_mapping, global_lens, lens, select_lens, clamped, table_out, requests, valid,
+            slots, num_reqs, rows, num_tokens, width, dcp_world, dcp_rank, dcp_interleave,
+            num_blocks, max_context_len, max_model_len, NATIVE=native, N=slots_per_row,
             NP=triton.next_power_of_2(slots_per_row), RATIO=compress_ratio, DEEPGEMM=deepgemm,
             BS=block_size, SEARCH_STEPS=search_steps(num_reqs), BLOCK_T=block_t,
             BLOCK_W=block_for(width, cap=256), BLOCK_C=block_for(width),
         )
     if deepgemm:
-        schedule = schedule_of_clamped(clamped, block_size, schedule)
-    return global_lens, lens, table_out, requests, valid, slots, schedule
+        schedule = schedule_of_clamped(schedule_lens, block_size, schedule)
+    return (global_lens, lens, table_out, requests, valid, slots, select_lens, schedule_lens,
+            schedule)

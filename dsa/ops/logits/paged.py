@@ -278,7 +278,12 @@ def paged_logits_triton(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, contex
 @dsa_op("paged_mqa_logits_deepgemm")
 def _paged_deepgemm_out(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
                         block_table: Tensor, max_context_len: int,
-                        schedule: Tensor | None = None) -> Tensor:
+                        schedule: Tensor | None = None, lens_clamped: bool = False) -> Tensor:
+    """``schedule``: DeepGEMM's schedule of these lengths (None: built here).
+    ``lens_clamped``: the caller vouches that every length is already in
+    ``[1, max(max_context_len, 1)]`` (``DecodeMetadata.schedule_lens``), so they go to DeepGEMM
+    as they are; by default they are clamped there first (a length of 0 makes DeepGEMM read
+    out of bounds)."""
     op = "paged_mqa_logits_deepgemm"
     _check_paged(op, q_fp8, kv_cache, weights, context_lens, block_table, max_context_len)
     _, next_n, num_heads, head_dim = q_fp8.shape
@@ -298,23 +303,23 @@ def _paged_deepgemm_out(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, contex
 @_paged_deepgemm_out.cpu
 def _paged_deepgemm_cpu(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
                         block_table: Tensor, max_context_len: int,
-                        schedule: Tensor | None = None) -> Tensor:
+                        schedule: Tensor | None = None, lens_clamped: bool = False) -> Tensor:
     # Raises: DeepGEMM needs CUDA tensors.
     return _paged_deepgemm_out(q_fp8, kv_cache, weights, context_lens, block_table,
-                               max_context_len, schedule)
+                               max_context_len, schedule, lens_clamped)
 
 
 @_paged_deepgemm_out.cuda
 def _paged_deepgemm_cuda(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
                          block_table: Tensor, max_context_len: int,
-                         schedule: Tensor | None = None) -> Tensor:
+                         schedule: Tensor | None = None, lens_clamped: bool = False) -> Tensor:
     out = _paged_deepgemm_out(q_fp8, kv_cache, weights, context_lens, block_table,
-                              max_context_len, schedule)
+                              max_context_len, schedule, lens_clamped)
     if out.numel() == 0:
         return out
     # Lengths of 0 make the kernel read out of bounds; the schedule and the kernel must see
     # the same lengths (dsa.paged_mqa_schedule clamps the same way), at most the row width.
-    lens = context_lens.clamp(1, max(max_context_len, 1))
+    lens = context_lens if lens_clamped else context_lens.clamp(1, max(max_context_len, 1))
     if schedule is None:
         schedule = deepgemm.call("get_paged_mqa_logits_metadata", context_lens=lens,
                                  block_kv=kv_cache.shape[1],
@@ -328,19 +333,27 @@ def _paged_deepgemm_cuda(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, conte
 # --- choosing ------------------------------------------------------------------------------
 
 
-# Where "auto" runs dsa's kernel although DeepGEMM could take the call: next_n -> the largest
-# batch (q_fp8.shape[0]) at which the H200 runs of benchmarks/bench_logits_sweep.py measured
-# Triton faster. Empty: "auto" takes DeepGEMM wherever it runs (next_n <= 2 on SM90) and
-# dsa's kernel elsewhere (next_n 3 and 4, other GPUs, the CPU).
-AUTO_TRITON_MAX_BATCH: dict[int, int] = {}
+# Where "auto" runs dsa's kernel although DeepGEMM could take the call: next_n -> the most
+# keys a call may read (logits rows x max_context_len) at which dsa's kernel beat DeepGEMM
+# plus its schedule kernel (about 2 us) in the H200 runs of benchmarks/bench_logits_sweep.py
+# (BENCHMARKS.md, L2 cold, us Triton vs DeepGEMM). next_n 1: 1x4K 6.9 vs 9.4, 1x64K 9.9 vs
+# 11.8, 8x32K 20.1 vs 20.7; 64x16K 55.0 vs 49.6 and 1x1M 55.0 vs 49.7 go to DeepGEMM.
+# next_n 2: 1x4K 7.3 vs 9.8, 1x64K 12.8 vs 12.5; 8x32K 28.3 vs 21.8 goes to DeepGEMM.
+# Elsewhere "auto" takes DeepGEMM wherever it runs (next_n <= 2 on SM90) and dsa's kernel
+# where it does not (next_n 3 and 4, other GPUs, the CPU).
+AUTO_TRITON_MAX_KEYS: dict[int, int] = {1: 256 * 1024, 2: 64 * 1024}
 
 
 def paged_backend(backend: str, device: torch.device, num_heads: int, head_dim: int,
-                  block_size: int, next_n: int, batch: int | None = None) -> str:
+                  block_size: int, next_n: int, batch: int | None = None,
+                  max_context_len: int | None = None) -> str:
     """"deepgemm" or "triton": the implementation ``backend`` ("auto", "triton" or
-    "deepgemm") runs for this shape on ``device`` (``batch``: requests of the call, for
-    ``AUTO_TRITON_MAX_BATCH``; None: DeepGEMM wherever it runs)."""
-    if backend == "auto" and batch is not None and batch <= AUTO_TRITON_MAX_BATCH.get(next_n, -1):
+    "deepgemm") runs for this shape on ``device``. ``batch`` (logits rows of ``next_n``
+    queries, q_fp8.shape[0]) and ``max_context_len`` (the row width) size the call for
+    ``AUTO_TRITON_MAX_KEYS``; without them "auto" takes DeepGEMM wherever it runs. Pure
+    host logic on static sizes: a captured step decides once per bucket."""
+    if (backend == "auto" and batch is not None and max_context_len is not None
+            and batch * max_context_len <= AUTO_TRITON_MAX_KEYS.get(next_n, -1)):
         return "triton"
     return choose_backend("paged_mqa_logits", backend, lambda: deepgemm.paged_unsupported_reason(
         device, num_heads, head_dim, block_size, next_n))
@@ -354,6 +367,6 @@ def paged_logits(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, context_lens:
     batch, next_n, num_heads, head_dim = q_fp8.shape
     args = (q_fp8, kv_cache, weights, context_lens, block_table, max_context_len)
     if paged_backend(backend, q_fp8.device, num_heads, head_dim, kv_cache.shape[1], next_n,
-                     batch) == "deepgemm":
+                     batch, max_context_len) == "deepgemm":
         return torch.ops.dsa.paged_mqa_logits_deepgemm(*args, schedule)
     return torch.ops.dsa.paged_mqa_logits(*args)
