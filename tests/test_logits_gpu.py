@@ -178,14 +178,27 @@ def test_deepgemm_paged_logits(shape):
                           torch.ops.dsa.paged_mqa_logits, case.max_len)
     check_sampled_rows(case, out, masked=False)
     valid = case.valid()
-    # "auto" picks DeepGEMM here; an explicit schedule gives the same result.
+    # "auto" runs the op paged_backend picks for the call's size; an explicit schedule
+    # gives the same result.
+    batch, next_n = shape[:2]
     auto = paged_logits(*case.inputs, case.max_len)
-    assert torch.equal(auto[valid], out[valid])
+    if paged_backend("auto", out.device, HEADS, HEAD_DIM, BLOCK_SIZE, next_n, batch,
+                     case.max_len) == "deepgemm":
+        assert torch.equal(auto[valid], out[valid])
+    else:
+        want = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len)
+        assert torch.equal(auto[valid], want[valid])
     schedule = torch.ops.dsa.paged_mqa_schedule(case.context_lens, BLOCK_SIZE)
     scheduled = torch.ops.dsa.paged_mqa_logits_deepgemm(*case.inputs, case.max_len, schedule)
     assert torch.equal(scheduled[valid], out[valid])
     chosen = paged_logits(*case.inputs, case.max_len, backend="deepgemm", schedule=schedule)
     assert torch.equal(chosen[valid], out[valid])
+    # lengths clamped by the caller (as DecodeMetadata.schedule_lens) go through as they are
+    q_fp8, cache, weights, lens, table = case.inputs
+    clamped = torch.ops.dsa.paged_mqa_logits_deepgemm(
+        q_fp8, cache, weights, lens.clamp(1, max(case.max_len, 1)), table, case.max_len,
+        schedule, True)
+    assert torch.equal(clamped[valid], out[valid])
 
 
 @pytest.mark.deepgemm

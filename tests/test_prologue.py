@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 import reference_compute as ref
 import torch
-from faces import FACE_NAMES, face_tests, opcheck_test, run_op, validation_test
+from faces import FACE_NAMES, HAS_CUDA, face_tests, opcheck_test, run_op, validation_test
 from hypothesis import strategies as st
 from test_kcache import random_cache, random_slots, write_cache
 from unfused import hadamard_matrix, unfused_prologue
 
 from dsa.ops import FACES
+from dsa.ops._launch import row_tile, tile_warps
 from dsa.ops.kcache import kcache_views
+from dsa.ops.prologue import k_prologue_triton, q_prologue_triton
 from dsa.rope import rope_table
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -183,11 +185,41 @@ def test_prologue_gpu_equals_the_unfused_path_within_one_fp8_step(num_tokens):
     compare_with_unfused(num_tokens, "cuda")
 
 
+@pytest.mark.parametrize("block", [1, 2, 4, 8])
+def test_prologue_kernels_equal_the_cpu_face_at_any_tile(block):
+    """Rows a program (small launches take fewer, down to one) change nothing, bit for bit."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    q, k, weights, cache, slots, cos_sin, positions = random_prologue_inputs(
+        5, device, num_heads=3, head_dim=16, rope_dim=8, num_blocks=4, block_size=4, max_len=16)
+    rotation = (cos_sin, positions, True, False)
+    q_fp8, head_weights = FACES[Q_OP].fake(q, weights, *rotation)
+    q_prologue_triton(q, weights, *rotation, q_fp8, head_weights, block_r=block)
+    want = FACES[Q_OP].cpu(q.cpu(), weights.cpu(), cos_sin.cpu(), positions.cpu(), True, False)
+    assert torch.equal(q_fp8.view(torch.uint8).cpu(), want[0].view(torch.uint8))
+    assert torch.equal(head_weights.cpu(), want[1])
+    want_cache = cache.cpu()
+    FACES[K_OP].cpu(k.cpu(), want_cache, slots.cpu(), cos_sin.cpu(), positions.cpu(), True,
+                    False)
+    k_prologue_triton(k, cache, slots, *rotation, block_t=block)
+    assert torch.equal(cache.cpu(), want_cache)
+
+
+def test_row_tile_spreads_small_launches():
+    """16 rows of 128 a program at size; fewer (down to one, in one warp) below 128
+    programs: V3.2's q at T = 1 is 64 programs of one (token, head), k one program."""
+    assert [row_tile(n, 128) for n in (1, 64, 256, 1024, 2048, 4096, 10**6)] == [
+        1, 1, 2, 8, 16, 16, 16]
+    assert [tile_warps(r, 128) for r in (1, 2, 4, 8, 16)] == [1, 1, 1, 2, 4]
+    assert row_tile(10**6, 8) == 256 and tile_warps(256, 8) == 4
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 3, 2048])
 @pytest.mark.parametrize("ue8m0", [False, True])
-def test_prologue_gpu_equals_cpu(ue8m0):
-    """The Triton faces equal the torch faces bit for bit at V3.2's sizes."""
-    q, k, weights, cache, slots, cos_sin, positions = random_prologue_inputs(2048, "cuda")
+def test_prologue_gpu_equals_cpu(ue8m0, num_tokens):
+    """The Triton faces equal the torch faces bit for bit at V3.2's sizes (one-row programs
+    in one warp at T = 1, 3; 16-row programs at T = 2048)."""
+    q, k, weights, cache, slots, cos_sin, positions = random_prologue_inputs(num_tokens, "cuda")
     rotation = (cos_sin, positions, True, ue8m0)
     on_cpu = [t.cpu() for t in (q, k, weights, cache, slots, cos_sin, positions)]
     cpu_rotation = (on_cpu[5], on_cpu[6], True, ue8m0)

@@ -22,6 +22,21 @@ def block_for(n: int, cap: int = 1024) -> int:
     return min(cap, triton.next_power_of_2(max(n, 1)))
 
 
+def row_tile(num_rows: int, row_block: int, programs: int = 128) -> int:
+    """Rows a program for a kernel of independent rows of ``row_block`` (a power of two)
+    elements: up to 2048 elements a program (16 rows of 128), fewer where that would make
+    fewer than ``programs`` programs, down to one row: a small, latency-bound launch
+    spreads over more SMs in programs that each finish sooner."""
+    most = max(1, 2048 // row_block)
+    return min(most, 1 << max(0, (num_rows // programs).bit_length() - 1))
+
+
+def tile_warps(rows: int, row_block: int) -> int:
+    """Warps of a program holding ``rows`` x ``row_block`` elements: one per 512 elements,
+    one to four (a one-row program of 128 stays in one warp: no cross-warp exchange)."""
+    return max(1, min(4, rows * row_block // 512))
+
+
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
     """``kernel[grid](*args, **kwargs)``, traceable: wrapped by ``wrap_triton`` while a torch
     dispatch mode is active (tracing), launched directly otherwise (no dispatch cost).

@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, check_block_table, check_int, check_size, check_tensor
-from dsa.ops._launch import launch
+from dsa.ops._launch import launch, row_tile, tile_warps
 from dsa.ops._registry import dsa_op
 from dsa.ops._tokens import request_of, search_steps, token_requests
 from dsa.ops.quant import (
@@ -167,20 +167,21 @@ def launch_k_rows(kernel: Any, k: Tensor, kv_cache: Tensor, slot_mapping: Tensor
                   block_t: int | None = None, **constexprs: Any) -> None:
     """Launches a kernel writing k rows to the cache with ``store_k_rows``: ``kernel(k,
     k strides, slots, value bytes, scales, num_tokens, num_slots, *args)`` with the
-    layout's, the block's and ``constexprs``; ``block_t`` tokens a program (default: 16 of
-    D = 128). Nothing with no tokens."""
+    layout's, the block's and ``constexprs``; ``block_t`` tokens a program (default:
+    ``row_tile``: 16 of D = 128, down to 1 for a few tokens) and ``tile_warps`` warps.
+    Nothing with no tokens."""
     num_tokens, head_dim = k.shape
     if num_tokens == 0:
         return
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
     block_d = triton.next_power_of_2(head_dim)
-    block_t = block_t or max(1, min(16, 2048 // block_d))
+    block_t = block_t or row_tile(num_tokens, block_d)
     launch(kernel, (triton.cdiv(num_tokens, block_t),),
         k, k.stride(0), k.stride(1), slot_mapping, values.view(torch.uint8), scales, num_tokens,
         num_blocks * block_size, *args, VALUE_STRIDE=values.stride(0),
         SCALE_STRIDE=scales.stride(0), BS=block_size, D=head_dim, BLOCK_D=block_d,
-        BLOCK_T=block_t, **constexprs,
+        BLOCK_T=block_t, num_warps=tile_warps(block_t, block_d), **constexprs,
     )
 
 

@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor
+from dsa.ops._launch import row_tile, tile_warps
 from dsa.ops._registry import dsa_op
 from dsa.ops.kcache import (
     check_k_write,
@@ -183,19 +184,20 @@ def q_prologue_triton(q: Tensor, weights: Tensor, cos_sin: Tensor, positions: Te
                       hadamard: bool, ue8m0: bool, q_fp8: Tensor, head_weights: Tensor,
                       block_r: int | None = None) -> None:
     """The q kernel into given outputs, ``block_r`` (token, head) rows a program (default:
-    16 of D = 128, like the k kernel: the rotation holds four tiles of the rows)."""
+    ``row_tile``, like the k kernel: 16 of D = 128, fewer for a few tokens; the rotation
+    holds four tiles of the rows) and ``tile_warps`` warps."""
     num_tokens, num_heads, head_dim = q.shape
     num_rows = num_tokens * num_heads
     if num_rows == 0:
         return
     block_d = triton.next_power_of_2(head_dim)
-    block_r = block_r or max(1, 2048 // block_d)
+    block_r = block_r or row_tile(num_rows, block_d)
     _q_prologue_kernel[(triton.cdiv(num_rows, block_r),)](
         q, weights, weights.stride(0), weights.stride(1), cos_sin, positions,
         cos_sin.shape[0] - 1, q_fp8.view(torch.uint8), head_weights, num_rows,
         hadamard_scale(head_dim, q.dtype), weight_scale(num_heads, head_dim), H=num_heads,
         D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, UE8M0=ue8m0,
-        **_rope_constexprs(q, cos_sin, hadamard),
+        num_warps=tile_warps(block_r, block_d), **_rope_constexprs(q, cos_sin, hadamard),
     )
 
 
