@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import dsa
+import dsa.meta.decode
 from dsa.graphs import pad_batch
+from dsa.ops.logits import deepgemm
 from tests import reference_compute as ref
 
 HIDDEN, Q_LORA_RANK, ROPE_DIM, THETA = 32, 24, 32, 10000.0
@@ -203,3 +205,36 @@ def test_indexer_needs_metadata_built_for_its_cache():
     meta = dsa.build_decode_metadata(cfg, batch)
     assert layer(torch.randn(1, 8), torch.randn(1, 8), batch.positions, meta).indices.shape == (
         1, cfg.topk)
+
+
+@pytest.mark.parametrize("backend", ["triton", "deepgemm"])
+@pytest.mark.parametrize(("layout", "next_n"), [("native", 1), ("flat", 2)])
+def test_decode_step_adjusts_no_lengths(monkeypatch, backend, layout, next_n):
+    """Where logits rows are the tokens, nothing runs between the metadata and the leaves
+    only to adjust lengths: the metadata carries top-k's lengths (0 where a token selects
+    nothing) and DeepGEMM's (>= 1). The exported step holds no where and no clamp (traced,
+    not run: DeepGEMM is patched in)."""
+    if backend == "deepgemm":
+        monkeypatch.setattr(dsa.meta.decode, "paged_backend", lambda *_: "deepgemm")
+        monkeypatch.setattr(deepgemm, "paged_unsupported_reason", lambda *_: None)
+        monkeypatch.setattr(deepgemm, "num_sms", lambda _: 4)
+    cfg = make_config(decode_layout=layout, next_n=next_n)
+    layer = make_layer(cfg)
+    width = cfg.max_blocks_per_req
+    batch = dsa.Batch(torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+                      torch.tensor([5, 6, 7], dtype=torch.int32),
+                      torch.arange(3 * width, dtype=torch.int32).view(3, width),
+                      torch.tensor([4, width * 16 + 5, 2 * width * 16 + 6]),
+                      torch.tensor([4, 5, 6]))
+
+    class Step(torch.nn.Module):
+        def forward(self, batch, hidden, q_latent):
+            meta = dsa.build_decode_metadata(cfg, batch)
+            assert meta.logits_backend == backend and not meta.packed
+            return layer(hidden, q_latent, batch.positions, meta).slots
+
+    program = torch.export.export(Step(), (batch, torch.randn(3, HIDDEN),
+                                           torch.randn(3, Q_LORA_RANK)))
+    calls = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert not [c for c in calls if "where" in c or "clamp" in c], calls
+    assert any("paged_mqa_logits" in c for c in calls)
