@@ -1,6 +1,7 @@
 """The indexer's q/k prologue on the GPU: the unfused chain against the fused ops.
 
     python benchmarks/bench_prologue.py [--out BENCHMARKS.md]
+    python benchmarks/bench_prologue.py --tiles   # rows a program and warps, by T
 
 For T = 1, 64, 128 tokens at DeepSeek V3.2's sizes (H 64, D 128, rope_dim 64, bf16, block
 64): after the projections, RoPE, the Hadamard rotation, the fp8 quantisation of q (with the
@@ -10,16 +11,21 @@ and as the two fused ops (``rope_hadamard_quantize_q``,
 ``rope_hadamard_quantize_and_cache_k``). Device µs from CUDA-graph replays (10 calls a
 graph), the kernels one call launches (profiler), and the bytes floor (inputs read, outputs
 written, at the measured copy bandwidth). Prints one table; with ``--out``, appends it.
+``--tiles``: the q and k kernels alone at small T over rows a program and warps, the
+defaults (``row_tile``, ``tile_warps``) marked.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import sys
 
 import torch
 
+from dsa.ops._launch import row_tile, tile_warps
+from dsa.ops.prologue import k_prologue_triton, q_prologue_triton
 from dsa.rope import rope_table
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -29,6 +35,7 @@ from _report import add_row, copy_bandwidth, graph_us, markdown_table, publish, 
 from unfused import hadamard_matrix, unfused_prologue  # noqa: E402
 
 TOKENS = (1, 64, 128)
+TILE_TOKENS, TILE_ROWS, TILE_WARPS = (1, 4, 64), (1, 2, 4, 8, 16), (1, 2, 4)
 H, D, ROPE_DIM, BS, MAX_LEN = 64, 128, 64, 64, 131072
 ops = torch.ops.dsa
 
@@ -49,7 +56,8 @@ def kernels_per_call(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def bench_tokens(num_tokens: int, bandwidth: float) -> list[object]:
+def prologue_inputs(num_tokens: int) -> tuple:
+    """q, k, weights, cache, slots, cos_sin, positions at V3.2's sizes, bf16."""
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
     q = torch.randn(num_tokens, H, D, generator=gen, **bf16)
@@ -60,6 +68,11 @@ def bench_tokens(num_tokens: int, bandwidth: float) -> list[object]:
     slots = torch.randperm(num_blocks * BS, generator=gen, device="cuda")[:num_tokens]
     positions = torch.randint(0, MAX_LEN, (num_tokens,), generator=gen, device="cuda")
     cos_sin = rope_table(MAX_LEN, ROPE_DIM, 10000.0, device="cuda")
+    return q, k, weights, cache, slots, cos_sin, positions
+
+
+def bench_tokens(num_tokens: int, bandwidth: float) -> list[object]:
+    q, k, weights, cache, slots, cos_sin, positions = prologue_inputs(num_tokens)
     hadamard = hadamard_matrix(D, torch.bfloat16, "cuda")
 
     unfused = torch.compile(unfused_prologue, fullgraph=True)
@@ -77,10 +90,37 @@ def bench_tokens(num_tokens: int, bandwidth: float) -> list[object]:
             launches["fused"], f"{us['unfused'] / us['fused']:.1f}x", f"{floor_us:.2f}"]
 
 
+def sweep_tiles() -> None:
+    """Prints µs of the q and k kernels by T, rows a program and warps (* the default)."""
+    print("T | kernel | rows a program | warps | µs")
+    for num_tokens in TILE_TOKENS:
+        q, k, weights, cache, slots, cos_sin, positions = prologue_inputs(num_tokens)
+        q_fp8, head_weights = ops.rope_hadamard_quantize_q(q, weights, cos_sin, positions)
+        rotation = (cos_sin, positions, True, False)
+        kernels = {
+            "q": (num_tokens * H, "block_r",
+                  functools.partial(q_prologue_triton, q, weights, *rotation, q_fp8, head_weights)),
+            "k": (num_tokens, "block_t",
+                  functools.partial(k_prologue_triton, k, cache, slots, *rotation)),
+        }
+        for name, (rows, block_arg, kernel) in kernels.items():
+            default = (row_tile(rows, D), tile_warps(row_tile(rows, D), D))
+            for block in TILE_ROWS:
+                for warps in TILE_WARPS:
+                    call = functools.partial(kernel, **{block_arg: block}, num_warps=warps)
+                    mark = "*" if (block, warps) == default else ""
+                    print(f"{num_tokens} | {name} | {block}{mark} | {warps} | "
+                          f"{graph_us(call):.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", help="append the report to this markdown file")
+    parser.add_argument("--tiles", action="store_true", help="sweep the kernels' tiles")
     args = parser.parse_args()
+    if args.tiles:
+        sweep_tiles()
+        return
     bandwidth = copy_bandwidth()
     header = ["T", "unfused µs", "unfused kernels", "fused µs", "fused kernels", "speed-up",
               "bytes floor µs"]

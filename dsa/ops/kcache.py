@@ -164,12 +164,13 @@ def _cache_write_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, value_ptr, scale_
 
 
 def launch_k_rows(kernel: Any, k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, *args: Any,
-                  block_t: int | None = None, **constexprs: Any) -> None:
+                  block_t: int | None = None, num_warps: int | None = None,
+                  **constexprs: Any) -> None:
     """Launches a kernel writing k rows to the cache with ``store_k_rows``: ``kernel(k,
     k strides, slots, value bytes, scales, num_tokens, num_slots, *args)`` with the
     layout's, the block's and ``constexprs``; ``block_t`` tokens a program (default:
-    ``row_tile``: 16 of D = 128, down to 1 for a few tokens) and ``tile_warps`` warps.
-    Nothing with no tokens."""
+    ``row_tile``: 16 of D = 128, down to 1 for a few tokens) in ``num_warps`` warps
+    (default: ``tile_warps``). Nothing with no tokens."""
     num_tokens, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -181,7 +182,7 @@ def launch_k_rows(kernel: Any, k: Tensor, kv_cache: Tensor, slot_mapping: Tensor
         k, k.stride(0), k.stride(1), slot_mapping, values.view(torch.uint8), scales, num_tokens,
         num_blocks * block_size, *args, VALUE_STRIDE=values.stride(0),
         SCALE_STRIDE=scales.stride(0), BS=block_size, D=head_dim, BLOCK_D=block_d,
-        BLOCK_T=block_t, num_warps=tile_warps(block_t, block_d), **constexprs,
+        BLOCK_T=block_t, num_warps=num_warps or tile_warps(block_t, block_d), **constexprs,
     )
 
 

@@ -182,10 +182,10 @@ def _q_prologue_kernel(q_ptr, w_ptr, w_stride0, w_stride1, cs_ptr, pos_ptr, max_
 
 def q_prologue_triton(q: Tensor, weights: Tensor, cos_sin: Tensor, positions: Tensor,
                       hadamard: bool, ue8m0: bool, q_fp8: Tensor, head_weights: Tensor,
-                      block_r: int | None = None) -> None:
+                      block_r: int | None = None, num_warps: int | None = None) -> None:
     """The q kernel into given outputs, ``block_r`` (token, head) rows a program (default:
     ``row_tile``, like the k kernel: 16 of D = 128, fewer for a few tokens; the rotation
-    holds four tiles of the rows) and ``tile_warps`` warps."""
+    holds four tiles of the rows) in ``num_warps`` warps (default: ``tile_warps``)."""
     num_tokens, num_heads, head_dim = q.shape
     num_rows = num_tokens * num_heads
     if num_rows == 0:
@@ -197,7 +197,8 @@ def q_prologue_triton(q: Tensor, weights: Tensor, cos_sin: Tensor, positions: Te
         cos_sin.shape[0] - 1, q_fp8.view(torch.uint8), head_weights, num_rows,
         hadamard_scale(head_dim, q.dtype), weight_scale(num_heads, head_dim), H=num_heads,
         D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, UE8M0=ue8m0,
-        num_warps=tile_warps(block_r, block_d), **_rope_constexprs(q, cos_sin, hadamard),
+        num_warps=num_warps or tile_warps(block_r, block_d),
+        **_rope_constexprs(q, cos_sin, hadamard),
     )
 
 
@@ -247,11 +248,12 @@ def _k_prologue_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, value_ptr, scale_p
 
 def k_prologue_triton(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, cos_sin: Tensor,
                       positions: Tensor, hadamard: bool, ue8m0: bool,
-                      block_t: int | None = None) -> None:
-    """The k kernel, ``block_t`` tokens a program (default: ``launch_k_rows``')."""
+                      block_t: int | None = None, num_warps: int | None = None) -> None:
+    """The k kernel, ``block_t`` tokens a program in ``num_warps`` warps (defaults:
+    ``launch_k_rows``')."""
     launch_k_rows(_k_prologue_kernel, k, kv_cache, slot_mapping, cos_sin, positions,
                   cos_sin.shape[0] - 1, hadamard_scale(k.shape[1], k.dtype), block_t=block_t,
-                  UE8M0=ue8m0, **_rope_constexprs(k, cos_sin, hadamard))
+                  num_warps=num_warps, UE8M0=ue8m0, **_rope_constexprs(k, cos_sin, hadamard))
 
 
 @_check_k_prologue.cuda
