@@ -109,41 +109,30 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
     # logits row, its block table or onto a block outside the cache: DeepGEMM trusts its
     # lengths, top-k must never select such keys), the rows' block tables, the token
     # masks, the selection lengths, and with DeepGEMM its lengths and schedule.
-    (global_lens, local_lens, row_table, token_requests, valid, slot_mapping, select_lens,
-     schedule_lens, schedule) = (
-        ops.decode_metadata(
-            qsl, batch.seq_lens, request_table, batch.positions, slots, native, cfg.next_n,
-            cfg.compress_ratio, cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
-            cfg.num_blocks if cfg.num_blocks is not None else UNKNOWN_NUM_BLOCKS,
-            cfg.block_size, width, cfg.max_model_len, backend == "deepgemm",
-        )
-    )
+    leaves = dict(zip(_DECODE_METADATA_OUTPUTS, ops.decode_metadata(
+        qsl, batch.seq_lens, request_table, batch.positions, slots, native, cfg.next_n,
+        cfg.compress_ratio, cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
+        cfg.num_blocks if cfg.num_blocks is not None else UNKNOWN_NUM_BLOCKS,
+        cfg.block_size, width, cfg.max_model_len, backend == "deepgemm",
+    )))
+    if backend != "deepgemm":
+        leaves.update(schedule_lens=None, schedule=None)
     kpool_slots = None
     if cfg.kpool is not None:
         kpool_slots = torch.where(
-            valid, ops.kpool_tail_slot_mapping(qsl, batch.block_table, batch.positions,
-                                               cfg.kpool), -1,
+            leaves["valid_tokens"],
+            ops.kpool_tail_slot_mapping(qsl, batch.block_table, batch.positions, cfg.kpool), -1,
         )
+    return DecodeMetadata(layout=cfg.layout, next_n=next_n, query_start_loc=qsl,
+                          request_block_table=request_table, kpool_slot_mapping=kpool_slots,
+                          logits_backend=backend, max_context_len=width,
+                          num_blocks=cfg.num_blocks, **leaves)
 
-    return DecodeMetadata(
-        layout=cfg.layout,
-        next_n=next_n,
-        query_start_loc=qsl,
-        context_lens=local_lens,
-        global_context_lens=global_lens,
-        block_table=row_table,
-        request_block_table=request_table,
-        token_requests=token_requests,
-        valid_tokens=valid,
-        slot_mapping=slot_mapping,
-        select_lens=select_lens,
-        kpool_slot_mapping=kpool_slots,
-        logits_backend=backend,
-        schedule_lens=schedule_lens if backend == "deepgemm" else None,
-        schedule=schedule if backend == "deepgemm" else None,
-        max_context_len=width,
-        num_blocks=cfg.num_blocks,
-    )
+
+# The outputs of ``dsa::decode_metadata``, in order, as DecodeMetadata fields.
+_DECODE_METADATA_OUTPUTS = ("global_context_lens", "context_lens", "block_table",
+                            "token_requests", "valid_tokens", "slot_mapping", "select_lens",
+                            "schedule_lens", "schedule")
 
 
 # Without ``cfg.num_blocks``, any non-negative block id counts as inside the cache.
