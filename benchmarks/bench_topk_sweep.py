@@ -61,6 +61,8 @@ VARIANTS: dict[str, dict] = {
     "select-warps16": dict(select_warps=16),
     "radix": dict(search="radix"),
     "radix4": dict(search="radix4"),
+    "early-load": dict(early_load=True),
+    "radix+early-load": dict(search="radix", early_load=True),
 }
 QUICK = ("default",)
 

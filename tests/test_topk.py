@@ -250,9 +250,10 @@ def test_launch_variants_interpreted(search, case, parts, block, cap, margin, bf
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test")
 @pytest.mark.interpret
-@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("variant", [*({"search": s} for s in SEARCHES), {"early_load": True}],
+                         ids=[*SEARCHES, "early_load"])
 @pytest.mark.parametrize("margin", [-100.0, 4.0, 1e9])
-def test_sampled_threshold_paths(margin, search):
+def test_sampled_threshold_paths(margin, variant):
     """Long rows through the candidates pass: kept (margin 4) or the streamed search
     (threshold too high / too low), with ties, -inf and a start offset."""
     gen = torch.Generator().manual_seed(4)
@@ -263,7 +264,7 @@ def test_sampled_threshold_paths(margin, search):
     lo = starts.long()
     logits = make_logits(gen, values, lo, (lo + lengths.long()).clamp(max=1000))
     out = launch_topk(logits, lengths, 40, starts, parts=2, block=128, select_cap=256,
-                      sample_groups=64, margin=margin, finish_block=64, search=search)
+                      sample_groups=64, margin=margin, finish_block=64, **variant)
     check_both(logits, lengths, 40, starts, out)
 
 
@@ -465,7 +466,8 @@ def test_gpu_launch_variants(parts, kind):
                     dict(parts=parts, sample_groups=256, select_warps=4),
                     dict(parts=parts, row_cols=65536, select_cap=32768),
                     *(dict(parts=parts, search=search) for search in SEARCHES),
-                    *(dict(parts=parts, margin=-100.0, search=search) for search in SEARCHES)):
+                    *(dict(parts=parts, margin=-100.0, search=search) for search in SEARCHES),
+                    dict(parts=parts, early_load=True)):
         out = launch_topk(logits, lengths, 2048, starts, **variant)
         check_topk(logits, lengths, 2048, starts, out)
 

@@ -175,21 +175,26 @@ def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constex
 def _candidates_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, count_ptr,
                        n_cols, k, margin, HAS_STARTS: tl.constexpr, PARTS: tl.constexpr,
                        G: tl.constexpr, W: tl.constexpr, CAP: tl.constexpr,
-                       BLOCK: tl.constexpr, C: tl.constexpr, RADIX: tl.constexpr):
+                       BLOCK: tl.constexpr, C: tl.constexpr, RADIX: tl.constexpr,
+                       EARLY_LOAD: tl.constexpr):
     """Program (row, part) of a row with ``valid > CAP``: the row's threshold T from a
     sample, then the part's keys >= T with their output indices (one int64: key in the
-    high half) into its region of ``CAP`` entries, and their count (it may exceed CAP)."""
+    high half) into its region of ``CAP`` entries, and their count (it may exceed CAP).
+    EARLY_LOAD: the part's first block is loaded before the threshold is searched."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
     if hi - lo > CAP:
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        t = _sample_threshold(row_ptr, lo, hi, k, margin, G, W, RADIX)
         a, b, base = part_span(lo, hi, part, PARTS, BLOCK)
-        region = cand_ptr + (row * PARTS + part).to(tl.int64) * CAP
         offs = tile(BLOCK // C, C)
+        if EARLY_LOAD:
+            ahead = tl.load(row_ptr + base + offs, mask=base + offs < b, other=0.0)
+        t = _sample_threshold(row_ptr, lo, hi, k, margin, G, W, RADIX)
+        if not EARLY_LOAD:
+            ahead = tl.load(row_ptr + base + offs, mask=base + offs < b, other=0.0)
+        region = cand_ptr + (row * PARTS + part).to(tl.int64) * CAP
         seen = tl.zeros([], tl.int32)
-        ahead = tl.load(row_ptr + base + offs, mask=base + offs < b, other=0.0)
         for c in range(base, b, BLOCK):
             cols = c + offs
             key = order_key(ahead)
@@ -320,12 +325,15 @@ class Tuning:
     sample_groups, sample_width: the threshold's sample (``sample_groups * sample_width <=
         2**15``); margin: the threshold sits ``margin`` standard deviations of the sample
         count below the estimated k-th largest.
-    num_warps: the candidates pass. target_programs, min_part_cols, max_parts: its programs
-        per row (:func:`choose_parts`). many_rows: the select kernel takes 4 warps instead
-        of 8 when it reads at least this many whole rows (:func:`choose_select_warps`).
+    num_warps: the candidates pass; early_load: its first block's load is issued before
+        the threshold's search (in flight during it). target_programs, min_part_cols,
+        max_parts: its programs per row (:func:`choose_parts`). many_rows: the select
+        kernel takes 4 warps instead of 8 when it reads at least this many whole rows
+        (:func:`choose_select_warps`).
     search: how the k-th largest key is found (:func:`~dsa.ops.topk.select.kth_search`):
         "trisect" (two pivots counted per block reduction), "radix" (radix select, 8-bit
-        digits: four histogram passes) or "radix4" (4-bit digits: eight cheaper passes).
+        digits: up to four histogram passes) or "radix4" (4-bit digits: up to eight
+        cheaper passes).
     preload_rows: with at most this many rows read whole (and no starts), a row's load is
         issued before its length is known (the latency of one read fewer; more rows hide
         it anyway, and the load reads past short lengths). finish_block: step of the rows
@@ -346,6 +354,7 @@ class Tuning:
     preload_rows: int = 128
     finish_block: int = 2048
     search: str = "trisect"
+    early_load: bool = False
 
 
 TUNING = Tuning()
@@ -397,7 +406,8 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
         launch(_candidates_kernel, (rows, parts),
             *head, cand, counts, n_cols, k, min(max(float(tune.margin), -1e4), 1e4),
             PARTS=parts, G=sample_groups, W=sample_width, CAP=select_cap, BLOCK=block,
-            C=min(block, 128 * tune.num_warps), num_warps=tune.num_warps, **flags,
+            C=min(block, 128 * tune.num_warps), EARLY_LOAD=bool(tune.early_load),
+            num_warps=tune.num_warps, **flags,
         )
     if slots is None:  # placeholders, never read
         slot_args = (out, lengths, 0, lengths, 0, 0, 0)
