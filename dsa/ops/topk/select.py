@@ -128,7 +128,7 @@ def radix_narrow(hist, need, prefix, above, shift, RADIX: tl.constexpr):
     ge = tl.cumsum(hist, 0, reverse=True)
     gt = ge - hist
     hit = (ge >= need - above) & (gt < need - above)
-    # one bin hits: its digit, its counts (fields of 8, 28 and 28 bits)
+    # one bin hits: its digit, its counts (fields of 8, 28 and 28 bits: counts < 2**27)
     packed = tl.sum(tl.where(hit, tl.arange(0, 1 << RADIX).to(tl.int64)
                              | (gt.to(tl.int64) << 8) | (ge.to(tl.int64) << 36), 0))
     digit = (packed & 0xFF).to(tl.int32)
