@@ -59,6 +59,10 @@ VARIANTS: dict[str, dict] = {
     "finish1024": dict(finish_block=1024),
     "select-warps4": dict(select_warps=4),
     "select-warps16": dict(select_warps=16),
+    "radix": dict(search="radix"),
+    "radix4": dict(search="radix4"),
+    "early-load": dict(early_load=True),
+    "radix+early-load": dict(search="radix", early_load=True),
 }
 QUICK = ("default",)
 
@@ -162,18 +166,27 @@ def default_parts(rows: int, n: int) -> int:
                         min_part_cols=TUNING.min_part_cols, max_parts=TUNING.max_parts)
 
 
+def parse_value(text: str) -> int | float | str:
+    """A ``--variant`` value: an int, a float (with a dot) or a string (``search=radix``)."""
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"only variants {QUICK}")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,...",
-                        help="an extra variant, e.g. 'w4:num_warps=4,block=2048'")
+                        help="an extra variant, e.g. 'w4:num_warps=4,block=2048' or "
+                        "'r:search=radix'")
     parser.add_argument("--out", help="append the report to this markdown file "
                         "(e.g. BENCHMARKS.md)")
     args = parser.parse_args()
     names = list(QUICK if args.quick else VARIANTS)
     for spec in args.variant:
         name, _, pairs = spec.partition(":")
-        VARIANTS[name] = {key: float(value) if "." in value else int(value) for key, value in
+        VARIANTS[name] = {key: parse_value(value) for key, value in
                           (pair.split("=") for pair in pairs.split(",") if pair)}
         names.append(name)
     started = time.time()

@@ -21,6 +21,7 @@ from test_slots import slots_case
 
 from dsa.ops import FACES
 from dsa.ops.topk.indices import (
+    SEARCH_RADIX,
     SlotArgs,
     choose_parts,
     choose_select_cap,
@@ -32,6 +33,7 @@ from dsa.ops.topk.indices import (
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                                         "ignore:invalid value encountered:RuntimeWarning")
 JUNK = (float("nan"), float("inf"), -float("inf"), 3.0e38, -3.0e38, 1.0e30)
+SEARCHES = list(SEARCH_RADIX)  # Tuning.search: every k-th key search is exact
 
 
 # --- checkers ------------------------------------------------------------------------------
@@ -190,11 +192,12 @@ test_topk_indices_and_slots_cpu, test_topk_indices_and_slots_kernel = face_tests
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
 @pytest.mark.interpret
-@settings(max_examples=25)
+@pytest.mark.parametrize("search", SEARCHES)
+@settings(max_examples=15)
 @given(case=topk_cases(max_rows=3, max_cols=400), parts=st.sampled_from([1, 2, 4]),
        block=st.sampled_from([32, 128]), cap=st.sampled_from([16, 64, 128, 512]),
        margin=st.sampled_from([-100.0, 0.0, 4.0, 1e9]), bf16=st.booleans())
-def test_launch_variants_interpreted(case, parts, block, cap, margin, bf16):
+def test_launch_variants_interpreted(search, case, parts, block, cap, margin, bf16):
     """Rows read whole (valid <= cap), thresholded rows, and the streamed search when the
     threshold is too high (margin -100: fewer than k keys above it) or too low (1e9, or
     cap 16: more candidates than cap), with split parts and tiny blocks; slots from every
@@ -206,15 +209,17 @@ def test_launch_variants_interpreted(case, parts, block, cap, margin, bf16):
     slots = torch.empty(logits.shape[0], k, dtype=torch.int32)
     out = launch_topk(logits, lengths, k, starts, slots=SlotArgs(slots, *table), parts=parts,
                       block=block, select_cap=cap, sample_groups=16, margin=margin,
-                      finish_block=32, num_warps=1, select_warps=1)
+                      finish_block=32, num_warps=1, select_warps=1, search=search)
     check_both(logits.float(), lengths, k, starts, out)
     check_slots(out, slots, *table)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test")
 @pytest.mark.interpret
+@pytest.mark.parametrize("variant", [*({"search": s} for s in SEARCHES), {"early_load": True}],
+                         ids=[*SEARCHES, "early_load"])
 @pytest.mark.parametrize("margin", [-100.0, 4.0, 1e9])
-def test_sampled_threshold_paths(margin):
+def test_sampled_threshold_paths(margin, variant):
     """Long rows through the candidates pass: kept (margin 4) or the streamed search
     (threshold too high / too low), with ties, -inf and a start offset."""
     gen = torch.Generator().manual_seed(4)
@@ -225,7 +230,7 @@ def test_sampled_threshold_paths(margin):
     lo = starts.long()
     logits = make_logits(gen, values, lo, (lo + lengths.long()).clamp(max=1000))
     out = launch_topk(logits, lengths, 40, starts, parts=2, block=128, select_cap=256,
-                      sample_groups=64, margin=margin, finish_block=64)
+                      sample_groups=64, margin=margin, finish_block=64, **variant)
     check_both(logits, lengths, 40, starts, out)
 
 
@@ -266,6 +271,28 @@ def test_edge_cases(face, name):
     hi = lengths.long().clamp(0, values.shape[1])
     logits = make_logits(gen, values, torch.zeros_like(hi), hi)
     check_both(logits, lengths, k, None, run_op(face, "topk_indices", logits, lengths, k))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
+@pytest.mark.interpret
+@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("name", list(EDGE_CASES))
+def test_edge_cases_searches(search, name):
+    """Each search on the edge cases, rows read whole and (cap 16: too many candidates)
+    streamed."""
+    values, lens, k = EDGE_CASES[name]
+    lengths = i32(lens)
+    gen = torch.Generator().manual_seed(1)
+    hi = lengths.long().clamp(0, values.shape[1])
+    logits = make_logits(gen, values, torch.zeros_like(hi), hi)
+    for variant in (dict(), dict(parts=2, block=64, select_cap=16, sample_groups=16)):
+        out = launch_topk(logits, lengths, k, search=search, **variant)
+        check_both(logits, lengths, k, None, out)
+
+
+def test_unknown_search():
+    with pytest.raises(ValueError, match="`search` must be one of"):
+        launch_topk(X, LENS, 4, search="bisect")
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
@@ -388,6 +415,9 @@ def test_gpu_shapes(rows, n, full):
     logits, lengths = gpu_case(rows, n, full=full, seed=rows + n)
     out = torch.ops.dsa.topk_indices(logits, lengths, 2048)
     check_topk(logits, lengths, 2048, None, out)
+    for search in SEARCHES:
+        check_topk(logits, lengths, 2048, None, launch_topk(logits, lengths, 2048,
+                                                            search=search))
 
 
 @pytest.mark.gpu
@@ -400,13 +430,17 @@ def test_gpu_launch_variants(parts, kind):
     for variant in (dict(parts=parts), dict(parts=parts, block=2048, num_warps=4),
                     dict(parts=parts, margin=-100.0), dict(parts=parts, select_cap=2048),
                     dict(parts=parts, sample_groups=256, select_warps=4),
-                    dict(parts=parts, row_cols=65536, select_cap=32768)):
+                    dict(parts=parts, row_cols=65536, select_cap=32768),
+                    *(dict(parts=parts, search=search) for search in SEARCHES),
+                    *(dict(parts=parts, margin=-100.0, search=search) for search in SEARCHES),
+                    dict(parts=parts, early_load=True)):
         out = launch_topk(logits, lengths, 2048, starts, **variant)
         check_topk(logits, lengths, 2048, starts, out)
 
 
 @pytest.mark.gpu
-def test_gpu_ties_and_spills():
+@pytest.mark.parametrize("search", SEARCHES)
+def test_gpu_ties_and_spills(search):
     """All-equal rows, few distinct values, -inf filling: exact counts on the GPU (the
     first two rows take the streamed search)."""
     logits, lengths = gpu_case(8, 32768, seed=5)
@@ -414,7 +448,7 @@ def test_gpu_ties_and_spills():
     logits[1].copy_(torch.randint(0, 3, (32768,), device="cuda").float())
     logits[2, ::2] = -float("inf")
     logits[3].copy_(torch.linspace(0, 1, 32768, device="cuda") ** 8)
-    check_topk(logits, lengths, 2048, None, launch_topk(logits, lengths, 2048))
+    check_topk(logits, lengths, 2048, None, launch_topk(logits, lengths, 2048, search=search))
 
 
 @pytest.mark.gpu

@@ -19,10 +19,11 @@ Triton, two launches (one when no row can be longer than ``select_cap``).
    in flight while one is ranked) and stores the keys >= T with their output indices (one
    int64 each) and their count.
 2. select (one program per row): the row's candidates, or, for rows with ``valid <=
-   select_cap``, the whole row, are held in registers; a trisection on the key finds the
-   k-th largest, and the larger keys and enough equal ones are written. Rows whose
-   candidates are fewer than k (T too high) or more than ``select_cap`` (too low) run the
-   same search over the whole row instead, streaming it once per step (exact, slower).
+   select_cap``, the whole row, are held in registers; a search on the key (trisection or
+   radix select, ``Tuning.search``) finds the k-th largest, and the larger keys and enough
+   equal ones are written. Rows whose candidates are fewer than k (T too high) or more
+   than ``select_cap`` (too low) run the same search over the whole row instead,
+   streaming it once per step (exact, slower).
    Rows with ``valid <= k`` are written directly (``0 .. valid - 1`` then -1). With slots,
    the program then reads its row of indices back and writes their slots.
 
@@ -149,7 +150,8 @@ def _topk_slots_cpu(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor
 
 
 @triton.jit
-def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constexpr):
+def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constexpr,
+                      RADIX: tl.constexpr):
     """Key T with about ``k + margin * sqrt(k)`` (scaled to the sample) of the row's keys
     >= T, from G groups of up to W consecutive columns spread over the row."""
     valid = hi - lo
@@ -165,7 +167,7 @@ def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constex
     spread = tl.sqrt(expect)
     rank = tl.minimum(tl.maximum((expect + margin * spread).to(tl.int32) + 2, 1), n_s)
     # any count in [rank, rank + spread] will do
-    t, _ = kth_search(keys, ok, n_s, rank, rank + spread.to(tl.int32))
+    t, _ = kth_search(keys, ok, n_s, rank, rank + spread.to(tl.int32), RADIX)
     return t
 
 
@@ -173,21 +175,26 @@ def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constex
 def _candidates_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, count_ptr,
                        n_cols, k, margin, HAS_STARTS: tl.constexpr, PARTS: tl.constexpr,
                        G: tl.constexpr, W: tl.constexpr, CAP: tl.constexpr,
-                       BLOCK: tl.constexpr, C: tl.constexpr):
+                       BLOCK: tl.constexpr, C: tl.constexpr, RADIX: tl.constexpr,
+                       EARLY_LOAD: tl.constexpr):
     """Program (row, part) of a row with ``valid > CAP``: the row's threshold T from a
     sample, then the part's keys >= T with their output indices (one int64: key in the
-    high half) into its region of ``CAP`` entries, and their count (it may exceed CAP)."""
+    high half) into its region of ``CAP`` entries, and their count (it may exceed CAP).
+    EARLY_LOAD: the part's first block is loaded before the threshold is searched."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
     if hi - lo > CAP:
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        t = _sample_threshold(row_ptr, lo, hi, k, margin, G, W)
         a, b, base = part_span(lo, hi, part, PARTS, BLOCK)
-        region = cand_ptr + (row * PARTS + part).to(tl.int64) * CAP
         offs = tile(BLOCK // C, C)
+        if EARLY_LOAD:
+            ahead = tl.load(row_ptr + base + offs, mask=base + offs < b, other=0.0)
+        t = _sample_threshold(row_ptr, lo, hi, k, margin, G, W, RADIX)
+        if not EARLY_LOAD:
+            ahead = tl.load(row_ptr + base + offs, mask=base + offs < b, other=0.0)
+        region = cand_ptr + (row * PARTS + part).to(tl.int64) * CAP
         seen = tl.zeros([], tl.int32)
-        ahead = tl.load(row_ptr + base + offs, mask=base + offs < b, other=0.0)
         for c in range(base, b, BLOCK):
             cols = c + offs
             key = order_key(ahead)
@@ -208,7 +215,7 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
                    num_blocks, n_cols, k, HAS_STARTS: tl.constexpr, PARTS: tl.constexpr,
                    CAP: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
                    FINISH_BLOCK: tl.constexpr, PRELOAD: tl.constexpr, SLOTS: tl.constexpr,
-                   BS: tl.constexpr):
+                   BS: tl.constexpr, RADIX: tl.constexpr):
     """Program per row: ``valid <= k``: all; ``valid <= CAP``: the row read whole into
     registers; else the parts' candidates, or the streamed search when they are not
     usable (fewer than k, or more than CAP). With SLOTS, the row's indices are then read
@@ -231,7 +238,7 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
             keys = order_key(whole)
         else:
             keys = order_key(tl.load(row_ptr + lo + j, mask=member, other=0.0))
-        select_write(keys, j + off, member, hi - lo, k, out_row, CAP)
+        select_write(keys, j + off, member, hi - lo, k, out_row, CAP, RADIX)
     else:
         total = tl.zeros([], tl.int32)
         src = j
@@ -243,9 +250,9 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
             member = j < total
             packed = gather(cand_ptr + row.to(tl.int64) * (PARTS * CAP) + src, member, CAP)
             select_write((packed >> 32).to(tl.int32), packed.to(tl.int32), member, total, k,
-                         out_row, CAP)
+                         out_row, CAP, RADIX)
         else:
-            select_streamed(row_ptr, out_row, k, lo, hi, off, BLOCK, C)
+            select_streamed(row_ptr, out_row, k, lo, hi, off, BLOCK, C, RADIX)
     if SLOTS:
         tl.debug_barrier()  # the row's indices, scattered by every thread, are in memory
         slot_row = slots_ptr + row.to(tl.int64) * k
@@ -287,6 +294,8 @@ def choose_select_warps(rows: int, n_cols: int, select_cap: int, *, many_rows: i
 
 # the search packs two counts below 2**16 into one int32
 MAX_SELECT_CAP = 1 << 15
+# Tuning.search -> digit bits of the radix select (0: trisection)
+SEARCH_RADIX = {"trisect": 0, "radix": 8, "radix4": 4}
 
 
 def _power_of_two(**values: int) -> None:
@@ -316,9 +325,15 @@ class Tuning:
     sample_groups, sample_width: the threshold's sample (``sample_groups * sample_width <=
         2**15``); margin: the threshold sits ``margin`` standard deviations of the sample
         count below the estimated k-th largest.
-    num_warps: the candidates pass. target_programs, min_part_cols, max_parts: its programs
-        per row (:func:`choose_parts`). many_rows: the select kernel takes 4 warps instead
-        of 8 when it reads at least this many whole rows (:func:`choose_select_warps`).
+    num_warps: the candidates pass; early_load: its first block's load is issued before
+        the threshold's search (in flight during it). target_programs, min_part_cols,
+        max_parts: its programs per row (:func:`choose_parts`). many_rows: the select
+        kernel takes 4 warps instead of 8 when it reads at least this many whole rows
+        (:func:`choose_select_warps`).
+    search: how the k-th largest key is found (:func:`~dsa.ops.topk.select.kth_search`):
+        "trisect" (two pivots counted per block reduction), "radix" (radix select, 8-bit
+        digits: up to four histogram passes) or "radix4" (4-bit digits: up to eight
+        cheaper passes).
     preload_rows: with at most this many rows read whole (and no starts), a row's load is
         issued before its length is known (the latency of one read fewer; more rows hide
         it anyway, and the load reads past short lengths). finish_block: step of the rows
@@ -338,6 +353,8 @@ class Tuning:
     many_rows: int = 128
     preload_rows: int = 128
     finish_block: int = 2048
+    search: str = "trisect"
+    early_load: bool = False
 
 
 TUNING = Tuning()
@@ -377,8 +394,11 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     if max(block, finish_block, select_cap, sample_groups * sample_width) > MAX_SELECT_CAP:
         raise ValueError(f"launch_topk: `block`, `finish_block`, `select_cap` and "
                          f"`sample_groups * sample_width` must be <= {MAX_SELECT_CAP}")
+    if tune.search not in SEARCH_RADIX:
+        raise ValueError(f"launch_topk: `search` must be one of {sorted(SEARCH_RADIX)}, "
+                         f"got {tune.search!r}")
     head = (logits, logits.stride(0), lengths, lengths if starts is None else starts)
-    flags = dict(HAS_STARTS=starts is not None)
+    flags = dict(HAS_STARTS=starts is not None, RADIX=SEARCH_RADIX[tune.search])
     # per (row, part): select_cap packed candidates, then the counts
     cand = torch.empty(rows * parts * select_cap, dtype=torch.int64, device=logits.device)
     counts = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
@@ -386,7 +406,8 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
         launch(_candidates_kernel, (rows, parts),
             *head, cand, counts, n_cols, k, min(max(float(tune.margin), -1e4), 1e4),
             PARTS=parts, G=sample_groups, W=sample_width, CAP=select_cap, BLOCK=block,
-            C=min(block, 128 * tune.num_warps), num_warps=tune.num_warps, **flags,
+            C=min(block, 128 * tune.num_warps), EARLY_LOAD=bool(tune.early_load),
+            num_warps=tune.num_warps, **flags,
         )
     if slots is None:  # placeholders, never read
         slot_args = (out, lengths, 0, lengths, 0, 0, 0)

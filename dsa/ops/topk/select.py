@@ -1,8 +1,9 @@
 """Building blocks of an exact top-k on order-preserving int32 keys, in Triton.
 
 Keys (:func:`key`) order like the fp32 logits they encode. A row's keys live in an
-``[R, C]`` register tile (:func:`tile`); :func:`kth_search` finds the k-th largest key by
-trisection with two pivots counted per block reduction, :func:`select_write` writes the
+``[R, C]`` register tile (:func:`tile`); :func:`kth_search` finds the k-th largest key,
+by trisection with two pivots counted per block reduction or by a radix select (a
+histogram of one digit per pass, ``RADIX`` bits at a time), :func:`select_write` writes the
 larger keys and enough equal ones, and :func:`select_streamed` does the same for a row too
 long for registers, streaming it once per step. Stores and gathers go through flattened
 tiles (:func:`scatter`, :func:`gather`) so Triton keeps one layout for them.
@@ -120,15 +121,52 @@ def _min_max(a_lo, a_hi, b_lo, b_hi):
 
 
 @triton.jit
-def kth_search(keys, member, count, need, need_hi):
-    """A key ``t`` with ``need <= count(key >= t) <= need_hi``, or, when no key has such a
-    count, with ``count(key >= t) >= need > count(key > t)``; returns (t, count(key >= t)).
-    Requires ``1 <= need <= count = count(member) <= 2**15``; non-member keys must be
-    ``INT_MIN``.
+def radix_narrow(hist, need, prefix, above, shift, RADIX: tl.constexpr):
+    """One radix pass: from ``hist``, the histogram of the digit at ``shift`` of the keys in
+    the bracket (``prefix`` on the higher bits, ``above`` keys above it), the bracket of the
+    ``need``-th largest key one digit narrower: (prefix, count(key >= prefix), above)."""
+    ge = tl.cumsum(hist, 0, reverse=True)
+    gt = ge - hist
+    hit = (ge >= need - above) & (gt < need - above)
+    # one bin hits: its digit, its counts (fields of 8, 28 and 28 bits: counts < 2**27)
+    packed = tl.sum(tl.where(hit, tl.arange(0, 1 << RADIX).to(tl.int64)
+                             | (gt.to(tl.int64) << 8) | (ge.to(tl.int64) << 36), 0))
+    digit = (packed & 0xFF).to(tl.int32)
+    return (prefix | (digit << shift), above + (packed >> 36).to(tl.int32),
+            above + ((packed >> 8) & 0xFFFFFFF).to(tl.int32))
 
-    Trisection of the key bracket ``[lo, hi)`` (from one reduction of both ends): both
-    pivots are counted by one block reduction (the counts packed in 16-bit halves), so a
-    step costs what a bisection step does and cuts the bracket to a third."""
+
+@triton.jit
+def digit_histogram(bits, member, prefix, shift, RADIX: tl.constexpr):
+    """Histogram of the digit at ``shift`` of the 1-D unsigned-order ``bits`` of the members
+    whose higher bits are ``prefix``."""
+    high = (tl.full([], -1, tl.int64) << (shift + RADIX)).to(tl.int32)
+    return tl.histogram((bits >> shift) & ((1 << RADIX) - 1), 1 << RADIX,
+                        mask=member & ((bits & high) == prefix))
+
+
+@triton.jit
+def radix_search(keys, member, count, need, need_hi, RADIX: tl.constexpr):
+    """:func:`kth_search` by radix select: a pass per ``RADIX``-bit digit, from the top."""
+    bits = tl.ravel(keys ^ INT_MIN)  # unsigned order
+    inside = tl.ravel(member)
+    prefix = tl.zeros([], tl.int32)
+    above = tl.zeros([], tl.int32)
+    c_lo = count + above
+    shift = above + 32 - RADIX
+    while (shift >= 0) & ((c_lo < need) | (c_lo > need_hi)):
+        hist = digit_histogram(bits, inside, prefix, shift, RADIX)
+        prefix, c_lo, above = radix_narrow(hist, need, prefix, above, shift, RADIX)
+        shift -= RADIX
+    return prefix ^ INT_MIN, c_lo
+
+
+@triton.jit
+def trisect_search(keys, member, count, need, need_hi):
+    """:func:`kth_search` by trisection of the key bracket ``[lo, hi)`` (from one reduction
+    of both ends): both pivots are counted by one block reduction (the counts packed in
+    16-bit halves), so a step costs what a bisection step does and cuts the bracket to a
+    third."""
     lo, top = tl.reduce((tl.ravel(tl.where(member, keys, INT_MAX)), tl.ravel(keys)), 0,
                         _min_max)
     lo = lo.to(tl.int64)
@@ -144,11 +182,26 @@ def kth_search(keys, member, count, need, need_hi):
 
 
 @triton.jit
-def select_write(keys, idx, member, count, k, out_row, N: tl.constexpr):
+def kth_search(keys, member, count, need, need_hi, RADIX: tl.constexpr):
+    """A key ``t`` with ``need <= count(key >= t) <= need_hi``, or, when no key has such a
+    count, with ``count(key >= t) >= need > count(key > t)``; returns (t, count(key >= t)).
+    Requires ``1 <= need <= count = count(member) <= 2**15``; non-member keys must be
+    ``INT_MIN``. RADIX: 0 for :func:`trisect_search`, else the digit bits of
+    :func:`radix_search` (4 or 8)."""
+    if RADIX:
+        t, c = radix_search(keys, member, count, need, need_hi, RADIX)
+    else:
+        t, c = trisect_search(keys, member, count, need, need_hi)
+    return t, c
+
+
+@triton.jit
+def select_write(keys, idx, member, count, k, out_row, N: tl.constexpr,
+                 RADIX: tl.constexpr):
     """Writes the output indices ``idx`` of the k largest member keys of an ``[R, C]`` tile
     (N elements, ``count = count(member) > k``; ties: the first in column-major order)."""
     keys = tl.where(member, keys, INT_MIN)
-    t, _ = kth_search(keys, member, count, k, k)
+    t, _ = kth_search(keys, member, count, k, k, RADIX)
     # keys > t are all taken (fewer than k), then keys == t up to k
     gt = member & (keys > t)
     eq = member & (keys == t)
@@ -166,12 +219,11 @@ def write_all(out_row, valid, off, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def select_streamed(row_ptr, out_row, k, lo, hi, off, BLOCK: tl.constexpr, C: tl.constexpr):
-    """The selection of a row with ``valid > k`` without candidates: the trisection counts
-    over the whole row at each step, then one pass writes the keys above the k-th largest
-    and the first equal ones."""
+def streamed_trisect(row_ptr, k, lo, hi, base, BLOCK: tl.constexpr, C: tl.constexpr):
+    """The trisection of :func:`trisect_search` over a streamed row (``valid > k``), once
+    per step: (t, count(key >= t), count(key > t)) with ``count(key >= t) == k`` or
+    ``t`` the k-th largest key."""
     offs = tile(BLOCK // C, C)
-    base = (lo // BLOCK) * BLOCK
     t_lo = tl.full([], INT_MIN, tl.int64)
     t_hi = t_lo * 0 + INT_MAX + 1
     c_lo = hi - lo
@@ -190,8 +242,42 @@ def select_streamed(row_ptr, out_row, k, lo, hi, off, BLOCK: tl.constexpr, C: tl
         c2 = tl.sum(n2)
         c_hi = tl.where(c2 >= k, c_hi, tl.where(c1 >= k, c2, c1))
         t_lo, t_hi, c_lo = narrow(t_lo, t_hi, c_lo, m1, m2, c1, c2, k)
+    return t_lo.to(tl.int32), c_lo, c_hi
+
+
+@triton.jit
+def streamed_radix(row_ptr, k, lo, hi, base, BLOCK: tl.constexpr, RADIX: tl.constexpr):
+    """:func:`streamed_trisect` by radix select: the row streamed once per digit."""
+    offs = tl.arange(0, BLOCK)
+    prefix = tl.zeros([], tl.int32)
+    above = tl.zeros([], tl.int32)
+    c_lo = hi - lo
+    shift = above + 32 - RADIX
+    while (shift >= 0) & (c_lo != k):
+        hist = tl.zeros([1 << RADIX], tl.int32)
+        for c in range(base, hi, BLOCK):
+            cols = c + offs
+            inside = in_span(cols, lo, hi)
+            bits = order_key(tl.load(row_ptr + cols, mask=inside, other=0.0)) ^ INT_MIN
+            hist += digit_histogram(bits, inside, prefix, shift, RADIX)
+        prefix, c_lo, above = radix_narrow(hist, k, prefix, above, shift, RADIX)
+        shift -= RADIX
+    return prefix ^ INT_MIN, c_lo, above
+
+
+@triton.jit
+def select_streamed(row_ptr, out_row, k, lo, hi, off, BLOCK: tl.constexpr, C: tl.constexpr,
+                    RADIX: tl.constexpr):
+    """The selection of a row with ``valid > k`` without candidates: the search (RADIX as
+    in :func:`kth_search`) counts over the whole row at each step, then one pass writes the
+    keys above the k-th largest and the first equal ones."""
+    offs = tile(BLOCK // C, C)
+    base = (lo // BLOCK) * BLOCK
+    if RADIX:
+        t, c_lo, c_hi = streamed_radix(row_ptr, k, lo, hi, base, BLOCK, RADIX)
+    else:
+        t, c_lo, c_hi = streamed_trisect(row_ptr, k, lo, hi, base, BLOCK, C)
     # c_lo == k: every key >= t is taken; else the c_hi keys > t, then the first equal ones
-    t = t_lo.to(tl.int32)
     exact = flag(c_lo == k)
     n_above = tl.where(exact, k, c_hi)
     seen_gt = tl.zeros([], tl.int32)
