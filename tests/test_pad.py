@@ -170,6 +170,29 @@ def test_pad_batch_launch_relaunches_for_new_live_data():
         assert [t.tolist() for t in out] == list(want)
 
 
+@KERNEL_MARK
+@pytest.mark.parametrize("inputs", [1, 2])
+def test_pad_batch_launch_copies_token_rows(inputs):
+    """The ready launch also copies the live rows of up to two token inputs (any row
+    stride, any dtype) into their buffers, leaving the rows past the live tokens alone."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    out = tuple(t.to(device) for t in buffers(5, 8, 3))
+    live = tuple(t.to(device) for t in live_example())
+    tokens = live[3].shape[0]
+    wide = torch.randn(tokens, 2, 40, device=device).to(torch.bfloat16)
+    strided = torch.randn(tokens, 24, device=device)[:, :5]
+    values = (wide, strided)[:inputs]
+    held = (torch.full((8, 2, 40), 7.0, device=device, dtype=torch.bfloat16),
+            torch.full((8, 5), 7.0, device=device))[:inputs]
+    ready = pad_batch_launch(out, 3, tokens, 2, 2, [(b, v.stride(0)) for b, v in
+                                                   zip(held, values)])
+    ready(*live, *out, *(t for pair in zip(values, held) for t in pair))
+    assert [t.tolist() for t in out] == list(ref.pad_batch(*(t.tolist() for t in live), 5, 8, 3))
+    for value, buffer in zip(values, held):
+        assert torch.equal(buffer[:tokens], value)
+        assert (buffer[tokens:] == 7).all()
+
+
 class FakeCompiled:
     """Stands in for Triton's ``CompiledKernel``: ``[grid]`` gives a launcher."""
 
@@ -177,7 +200,7 @@ class FakeCompiled:
         self.calls = calls
 
     def __getitem__(self, grid):
-        return lambda *args: self.calls.append(("compiled", grid, args))
+        return lambda *args, stream=None: self.calls.append(("compiled", grid, args))
 
 
 class FakeKernel:
@@ -203,6 +226,7 @@ def test_fixed_launch_relaunches_the_compiled_kernel(monkeypatch):
     monkeypatch.setattr(_launch, "CompiledKernel", FakeCompiled)
     device = [0]
     monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+    monkeypatch.setattr(_launch, "current_raw_stream", lambda device: 0)
     kernel = FakeKernel()
     ready = FixedLaunch(kernel, (6,), BLOCK=8, n=3)
     ready("a", "b")

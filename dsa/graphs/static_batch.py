@@ -10,7 +10,7 @@ from torch import Tensor
 
 from dsa.meta.batch import Batch
 from dsa.ops import FACES
-from dsa.ops.pad import LIVE_DTYPES, pad_batch_launch
+from dsa.ops.pad import LIVE_DTYPES, MAX_ROW_INPUTS, pad_batch_launch
 
 TokenInputs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 # The op's faces, called directly: outside a graph, the dispatcher's custom-op overhead
@@ -107,8 +107,9 @@ class StaticBatch:
         offsets, one block-table row per request, one position per slot) and fit; its
         tensors on the host travel in one pinned, non-blocking copy. Each token input has one
         row per live token and the trailing shape, dtype and device it was declared with;
-        rows past the live tokens keep what they held. Costs one launch for the batch and one
-        for all token inputs (``torch._foreach_copy_``). The arguments are checked the first
+        rows past the live tokens keep what they held. On CUDA, one launch pads the batch and
+        copies up to two token inputs (those whose rows are contiguous); any others take one
+        ``torch._foreach_copy_``. The arguments are checked the first
         time their shapes, strides, dtypes and devices come, not again while they repeat.
         """
         fields = _fields(live)
@@ -129,8 +130,9 @@ class StaticBatch:
 
 class _Load:
     """``StaticBatch.load`` (``load_batch`` without ``inputs``) for one signature of its
-    arguments, checked when made: the live batch padded in (a ready ``pad_batch_out`` launch
-    on CUDA), then the token inputs copied into their buffers' live rows in one
+    arguments, checked when made: on CUDA one ready launch of the ``pad_batch_out`` kernel
+    pads the live batch in and copies up to ``MAX_ROW_INPUTS`` token inputs into their
+    buffers' live rows; the other inputs (all of them on the CPU) take one
     ``torch._foreach_copy_``."""
 
     def __init__(self, static: StaticBatch, fields: tuple[Tensor, ...],
@@ -146,21 +148,33 @@ class _Load:
             checked[i] = torch.empty(fields[i].shape, dtype=torch.int64, device=self._device)
         _PAD_FACES.fake(*checked, *self._out)  # the op's checks, as its fake face runs them
         (reqs, width), tokens = fields[2].shape, fields[3].shape[0]
+        in_launch: list[tuple[Tensor, int]] = []  # (buffer, live row stride)
+        self._launched: list[tuple[int, Tensor]] = []  # inputs the pad launch copies
+        self._copied: list[int] = []  # and those it leaves to _foreach_copy_
         self._rows: list[Tensor] = []
-        for name, value in (inputs or {}).items():
-            _check_token_input(name, value, static.inputs[name], tokens)
-            self._rows.append(static.inputs[name][:tokens])
+        for i, (name, value) in enumerate((inputs or {}).items()):
+            buffer = static.inputs[name]
+            _check_token_input(name, value, buffer, tokens)
+            if (self._device.type == "cuda" and len(in_launch) < MAX_ROW_INPUTS
+                    and value.stride()[1:] == buffer.stride()[1:]):
+                in_launch.append((buffer, value.stride(0)))
+                self._launched.append((i, buffer))
+            else:
+                self._copied.append(i)
+                self._rows.append(buffer[:tokens])
         if self._device.type == "cuda":
-            self._pad = pad_batch_launch(self._out, reqs, tokens, width, fields[2].stride(0))
+            self._pad = pad_batch_launch(self._out, reqs, tokens, width, fields[2].stride(0),
+                                         in_launch)
         else:
             self._pad = _PAD_FACES.cpu
 
     def __call__(self, fields: tuple[Tensor, ...], values: tuple[Tensor, ...]) -> None:
         if self._host:
             fields = _moved(fields, self._host, self._device)
-        self._pad(*fields, *self._out)
+        self._pad(*fields, *self._out,
+                  *(t for i, buffer in self._launched for t in (values[i], buffer)))
         if self._rows:
-            torch._foreach_copy_(self._rows, values)
+            torch._foreach_copy_(self._rows, [values[i] for i in self._copied])
 
 
 def pad_batch(live: Batch, num_reqs: int, num_tokens: int, table_width: int | None = None

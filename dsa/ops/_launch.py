@@ -65,10 +65,11 @@ class FixedLaunch:
         self._tail: tuple[Any, ...] = ()
 
     def __call__(self, *tensors: Any) -> None:
-        if (self._relaunch is not None and torch.cuda.current_device() == self._device
-                and not is_in_torch_dispatch_mode()):
-            self._relaunch(*tensors, *self._tail)
-            return
+        if self._relaunch is not None and not is_in_torch_dispatch_mode():
+            device = torch.cuda.current_device()
+            if device == self._device:  # the stream given: no lookup through Triton's driver
+                self._relaunch(*tensors, *self._tail, stream=current_raw_stream(device))
+                return
         compiled = launch(self._kernel, self._grid, *tensors, **self._fixed)
         if self._relaunch is None and isinstance(compiled, CompiledKernel):
             # A compiled kernel takes every argument in declaration order, constexprs too.
@@ -76,6 +77,11 @@ class FixedLaunch:
                                for name in self._kernel.arg_names[len(tensors):])
             self._device = torch.cuda.current_device()
             self._relaunch = compiled[(*self._grid, 1, 1)[:3]]  # it reads three dims
+
+
+def current_raw_stream(device: int) -> int:
+    """The handle of ``device``'s current CUDA stream (what Triton's launcher takes)."""
+    return torch._C._cuda_getCurrentRawStream(device)
 
 
 def launch_1d(kernel: Any, n: int, *args: Any, cap: int = 1024, **constexprs: Any) -> None:

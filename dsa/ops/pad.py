@@ -107,13 +107,19 @@ def _copy_and_fill(out: Tensor, src: Tensor, fill: int) -> None:
 
 # Pointers unspecialized on alignment: a ready launch (``pad_batch_launch``) serves any
 # addresses of the same dtypes.
-@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "width", "table_stride"],
-            do_not_specialize_on_alignment=_POINTERS)
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "width", "table_stride", "row0",
+                               "row1", "stride0", "stride1"],
+            do_not_specialize_on_alignment=[*_POINTERS, "in0_ptr", "out0_ptr", "in1_ptr",
+                                            "out1_ptr"])
 def _pad_batch_kernel(qsl_ptr, seq_ptr, table_ptr, slot_ptr, pos_ptr,
                       out_qsl_ptr, out_seq_ptr, out_table_ptr, out_slot_ptr, out_pos_ptr,
+                      in0_ptr, out0_ptr, in1_ptr, out1_ptr,
                       table_stride, num_reqs, num_tokens, width, cap_reqs, cap_tokens, cap_width,
-                      BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr):
+                      row0, row1, stride0, stride1,
+                      BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, INPUTS: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
     pid = tl.program_id(0)
+    token_blocks = tl.cdiv(cap_tokens, BLOCK_T)
     if pid == 0:
         tl.store(out_qsl_ptr, tl.load(qsl_ptr))
     if pid < cap_reqs:
@@ -128,12 +134,28 @@ def _pad_batch_kernel(qsl_ptr, seq_ptr, table_ptr, slot_ptr, pos_ptr,
             col = start + cols
             entry = tl.load(src_row + col, mask=col < live_width, other=0)
             tl.store(dst_row + col, entry, mask=col < cap_width)
-    else:
+    elif pid < cap_reqs + token_blocks:
         t = (pid - cap_reqs) * BLOCK_T + tl.arange(0, BLOCK_T)
         real_tok = t < num_tokens
         in_range = t < cap_tokens
         tl.store(out_slot_ptr + t, tl.load(slot_ptr + t, mask=real_tok, other=-1), mask=in_range)
         tl.store(out_pos_ptr + t, tl.load(pos_ptr + t, mask=real_tok, other=0), mask=in_range)
+    elif INPUTS > 0:  # a program per (token, input): the live token's row, copied
+        r = pid - cap_reqs - token_blocks
+        tok = (r // INPUTS).to(tl.int64)
+        if tok < num_tokens:
+            if r % INPUTS == 0:
+                _copy_row(in0_ptr + tok * stride0, out0_ptr + tok * row0, row0, BLOCK_R)
+            else:
+                _copy_row(in1_ptr + tok * stride1, out1_ptr + tok * row1, row1, BLOCK_R)
+
+
+@triton.jit
+def _copy_row(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, n, BLOCK):
+        col = start + offs
+        tl.store(dst + col, tl.load(src + col, mask=col < n), mask=col < n)
 
 
 @_check_pad_batch.cuda
@@ -152,17 +174,41 @@ def launch_pad_batch(tensors: Sequence[Tensor], num_reqs: int, num_tokens: int,
 
 
 def pad_batch_launch(out: Sequence[Tensor], num_reqs: int, num_tokens: int, width: int,
-                     table_stride: int) -> FixedLaunch:
+                     table_stride: int, rows: Sequence[tuple[Tensor, int]] = ()
+                     ) -> FixedLaunch:
     """``launch_pad_batch`` into the buffers ``out`` (the op's last five arguments) of live
     batches of these sizes and block-table row stride, ready to relaunch: call it with the
-    op's ten arguments. Keep one per signature the caller checked (sizes and dtypes): its
-    relaunches skip Triton's per-call JIT work."""
+    op's ten arguments, then for each of ``rows`` the live token input and its buffer. Keep
+    one per signature the caller checked (sizes and dtypes): its relaunches skip Triton's
+    per-call JIT work.
+
+    rows: up to ``MAX_ROW_INPUTS`` token inputs copied in the same launch, each as (its
+    buffer, the live input's row stride); a live row and a buffer row hold the buffer's
+    ``numel() // len(buffer)`` contiguous elements.
+    """
+    if len(rows) > MAX_ROW_INPUTS:
+        raise ValueError(f"pad_batch_launch: at most {MAX_ROW_INPUTS} token inputs, got "
+                         f"{len(rows)}")
     out_table = out[2]
     cap_reqs, cap_width = out_table.shape
     cap_tokens = out[3].shape[0]
     block_t = block_for(cap_tokens)
-    grid = (max(1, cap_reqs + triton.cdiv(cap_tokens, block_t)),)
+    lengths = [buffer.numel() // max(buffer.shape[0], 1) for buffer, _ in rows]
+    row_args: dict[str, object] = {}
+    for i in range(MAX_ROW_INPUTS):  # unused inputs: placeholder pointers, never read
+        used = i < len(rows)
+        if not used:
+            row_args.update({f"in{i}_ptr": out[1], f"out{i}_ptr": out[1]})
+        row_args.update({f"row{i}": lengths[i] if used else 0,
+                         f"stride{i}": rows[i][1] if used else 0})
+    grid = (max(1, cap_reqs + triton.cdiv(cap_tokens, block_t) + len(rows) * cap_tokens),)
     return FixedLaunch(_pad_batch_kernel, grid, table_stride=table_stride, num_reqs=num_reqs,
                        num_tokens=num_tokens, width=width, cap_reqs=cap_reqs,
-                       cap_tokens=cap_tokens, cap_width=cap_width,
-                       BLOCK_W=block_for(cap_width), BLOCK_T=block_t)
+                       cap_tokens=cap_tokens, cap_width=cap_width, **row_args,
+                       BLOCK_W=block_for(cap_width), BLOCK_T=block_t, INPUTS=len(rows),
+                       BLOCK_R=block_for(max(lengths, default=1), 2048))
+
+
+# Token inputs one pad launch copies (``pad_batch_launch``); a StaticBatch copies the rest
+# in one ``torch._foreach_copy_``.
+MAX_ROW_INPUTS = 2
