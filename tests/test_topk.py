@@ -234,6 +234,45 @@ def test_sampled_threshold_paths(margin, variant):
     check_both(logits, lengths, 40, starts, out)
 
 
+def overflow_rows(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values [3, 600], starts, lengths) whose candidates, with 4 parts, select_cap 128 and
+    k 40, number more than 128 but at most 128 in each part: 300 ones every other column
+    under 20 larger values (the 40th largest key tied over every part), a normal row with
+    a low threshold (margin 12: about 290), and the ties shifted by a start."""
+    ties = torch.where(torch.arange(600) % 2 == 0, 1.0, -5.0 - torch.rand(600, generator=gen))
+    ties[torch.randperm(600, generator=gen)[:20]] = 2.0 + torch.rand(20, generator=gen)
+    values = torch.stack([ties, torch.randn(600, generator=gen), ties.roll(7)])
+    return values, i32([0, 0, 7]), i32([600, 600, 593])
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
+@pytest.mark.interpret
+@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_candidates_over_capacity(search, bf16):
+    """More candidates than select_cap, each part's within its region: the search streams
+    them from the regions; the same values as torch.topk, with and without slots."""
+    gen = torch.Generator().manual_seed(6)
+    values, starts, lengths = overflow_rows(gen)
+    lo = starts.long()
+    logits = make_logits(gen, values, lo, lo + lengths.long())
+    if bf16:
+        logits = logits.bfloat16()
+    table = slot_table(7, 3, 600, 16)
+    slots = torch.empty(3, 40, dtype=torch.int32)
+    launch = dict(parts=4, block=32, select_cap=128, sample_groups=16, margin=12.0,
+                  finish_block=32, num_warps=1, select_warps=1, search=search)
+    for out in (launch_topk(logits, lengths, 40, starts, **launch),
+                launch_topk(logits, lengths, 40, starts, slots=SlotArgs(slots, *table),
+                            **launch)):
+        check_both(logits.float(), lengths, 40, starts, out)
+        picked = logits.float().gather(1, out.long() + starts.long()[:, None])
+        for r, s in enumerate(starts.tolist()):
+            want = values[r, s:].to(logits.dtype).float().topk(40).values
+            assert torch.equal(picked[r].sort(descending=True).values, want)
+    check_slots(out, slots, *table)
+
+
 def test_choose_select_cap():
     assert choose_select_cap(4096, 2048) == 4096
     assert choose_select_cap(5000, 2048) == 8192

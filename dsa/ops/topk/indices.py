@@ -17,13 +17,15 @@ Triton, two launches (one when no row can be longer than ``select_cap``).
    consecutive columns) a key T about ``margin`` standard deviations of the sample count
    below the k-th largest, then streams its part of the row once (the next block's load
    in flight while one is ranked) and stores the keys >= T with their output indices (one
-   int64 each) and their count.
+   int64 each) in its region of ``select_cap`` entries, and their count.
 2. select (one program per row): the row's candidates, or, for rows with ``valid <=
    select_cap``, the whole row, are held in registers; a search on the key (trisection or
    radix select, ``Tuning.search``) finds the k-th largest, and the larger keys and enough
-   equal ones are written. Rows whose candidates are fewer than k (T too high) or more
-   than ``select_cap`` (too low) run the same search over the whole row instead,
-   streaming it once per step (exact, slower).
+   equal ones are written. Rows with more than ``select_cap`` candidates (T too low), each
+   part's within its region, run the same search over the stored candidates instead,
+   reading them from the regions (L2) once per step. Rows whose candidates are fewer than
+   k (T too high) or overflow a region run it over the whole row, streaming its logits
+   once per step (exact, much slower).
    Rows with ``valid <= k`` are written directly (``0 .. valid - 1`` then -1). With slots,
    the program then reads its row of indices back and writes their slots.
 
@@ -52,6 +54,7 @@ from dsa.ops.topk.select import (
     kth_search,
     order_key,
     part_span,
+    region_offsets,
     row_range,
     scatter,
     select_streamed,
@@ -217,9 +220,11 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
                    FINISH_BLOCK: tl.constexpr, PRELOAD: tl.constexpr, SLOTS: tl.constexpr,
                    BS: tl.constexpr, RADIX: tl.constexpr):
     """Program per row: ``valid <= k``: all; ``valid <= CAP``: the row read whole into
-    registers; else the parts' candidates, or the streamed search when they are not
-    usable (fewer than k, or more than CAP). With SLOTS, the row's indices are then read
-    back and written as cache slots (``indices_to_slots`` of the row)."""
+    registers; else the parts' candidates: in registers (at most CAP), streamed from the
+    parts' regions (more than CAP, each part's stored whole), or, when they are not all
+    stored or fewer than k, the streamed search over the row. With SLOTS, the row's
+    indices are then read back and written as cache slots (``indices_to_slots`` of the
+    row)."""
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     j = tile(CAP // C, C)
@@ -240,19 +245,18 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
             keys = order_key(tl.load(row_ptr + lo + j, mask=member, other=0.0))
         select_write(keys, j + off, member, hi - lo, k, out_row, CAP, RADIX)
     else:
-        total = tl.zeros([], tl.int32)
-        src = j
-        for p in tl.static_range(PARTS):
-            count = tl.load(count_ptr + row * PARTS + p)
-            src = tl.where((j >= total) & (j - total < count), p * CAP + j - total, src)
-            total += count
+        counts = count_ptr + row * PARTS
+        cand_row = cand_ptr + row.to(tl.int64) * (PARTS * CAP)
+        src, total, largest = region_offsets(counts, j, PARTS, CAP)
         if (total >= k) & (total <= CAP):
             member = j < total
-            packed = gather(cand_ptr + row.to(tl.int64) * (PARTS * CAP) + src, member, CAP)
+            packed = gather(cand_row + src, member, CAP)
             select_write((packed >> 32).to(tl.int32), packed.to(tl.int32), member, total, k,
                          out_row, CAP, RADIX)
+        elif (total >= k) & (largest <= CAP):  # all stored, streamed from the regions
+            select_streamed(cand_row, counts, out_row, k, 0, total, 0, CAP, C, RADIX, PARTS)
         else:
-            select_streamed(row_ptr, out_row, k, lo, hi, off, BLOCK, C, RADIX)
+            select_streamed(row_ptr, counts, out_row, k, lo, hi, off, BLOCK, C, RADIX, 0)
     if SLOTS:
         tl.debug_barrier()  # the row's indices, scattered by every thread, are in memory
         slot_row = slots_ptr + row.to(tl.int64) * k

@@ -4,8 +4,9 @@ Keys (:func:`key`) order like the fp32 logits they encode. A row's keys live in 
 ``[R, C]`` register tile (:func:`tile`); :func:`kth_search` finds the k-th largest key,
 by trisection with two pivots counted per block reduction or by a radix select (a
 histogram of one digit per pass, ``RADIX`` bits at a time), :func:`select_write` writes the
-larger keys and enough equal ones, and :func:`select_streamed` does the same for a row too
-long for registers, streaming it once per step. Stores and gathers go through flattened
+larger keys and enough equal ones, and :func:`select_streamed` does the same for a row, or
+for candidates, too many for registers, streaming them once per step
+(:func:`streamed_block`). Stores and gathers go through flattened
 tiles (:func:`scatter`, :func:`gather`) so Triton keeps one layout for them.
 """
 
@@ -219,10 +220,44 @@ def write_all(out_row, valid, off, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def streamed_trisect(row_ptr, k, lo, hi, base, BLOCK: tl.constexpr, C: tl.constexpr):
-    """The trisection of :func:`trisect_search` over a streamed row (``valid > k``), once
-    per step: (t, count(key >= t), count(key > t)) with ``count(key >= t) == k`` or
-    ``t`` the k-th largest key."""
+def region_offsets(counts_ptr, i, REGIONS: tl.constexpr, CAP: tl.constexpr):
+    """Candidates stored in REGIONS regions of CAP entries (``counts_ptr``: their counts),
+    read as one sequence: the offsets of entries ``i`` (themselves past the last), the
+    total and the largest count."""
+    src = i
+    total = tl.zeros([], tl.int32)
+    largest = tl.zeros([], tl.int32)
+    for p in tl.static_range(REGIONS):
+        count = tl.load(counts_ptr + p)
+        src = tl.where((i >= total) & (i - total < count), p * CAP + i - total, src)
+        total += count
+        largest = tl.maximum(largest, count)
+    return src, total, largest
+
+
+@triton.jit
+def streamed_block(src_ptr, counts_ptr, i, lo, hi, off, BLOCK: tl.constexpr,
+                   REGIONS: tl.constexpr):
+    """Entries ``i`` (a block) of a streamed source: (keys, output indices, membership).
+    REGIONS = 0: the row's logits, valid on columns ``[lo, hi)``; else its ``hi``
+    candidates (``lo = 0``) in REGIONS regions of BLOCK entries (:func:`region_offsets`),
+    one int64 each: the key in the high half, the output index in the low one."""
+    if REGIONS:
+        inside = i < hi
+        src, _, _ = region_offsets(counts_ptr, i, REGIONS, BLOCK)
+        packed = gather(src_ptr + src, inside, BLOCK)
+        return (packed >> 32).to(tl.int32), packed.to(tl.int32), inside
+    else:
+        inside = in_span(i, lo, hi)
+        return order_key(tl.load(src_ptr + i, mask=inside, other=0.0)), i - lo + off, inside
+
+
+@triton.jit
+def streamed_trisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK: tl.constexpr,
+                     C: tl.constexpr, REGIONS: tl.constexpr):
+    """The trisection of :func:`trisect_search` over a streamed source (``valid > k``; see
+    :func:`streamed_block`), once per step: (t, count(key >= t), count(key > t)) with
+    ``count(key >= t) == k`` or ``t`` the k-th largest key."""
     offs = tile(BLOCK // C, C)
     t_lo = tl.full([], INT_MIN, tl.int64)
     t_hi = t_lo * 0 + INT_MAX + 1
@@ -233,9 +268,8 @@ def streamed_trisect(row_ptr, k, lo, hi, base, BLOCK: tl.constexpr, C: tl.conste
         n1 = tl.zeros([BLOCK // C, C], tl.int32)
         n2 = tl.zeros([BLOCK // C, C], tl.int32)
         for c in range(base, hi, BLOCK):
-            cols = c + offs
-            inside = in_span(cols, lo, hi)
-            key = order_key(tl.load(row_ptr + cols, mask=inside, other=0.0))
+            key, _, inside = streamed_block(src_ptr, counts_ptr, c + offs, lo, hi, 0, BLOCK,
+                                            REGIONS)
             n1 += (inside & (key >= m1.to(tl.int32))).to(tl.int32)
             n2 += (inside & (key >= m2.to(tl.int32))).to(tl.int32)
         c1 = tl.sum(n1)
@@ -246,8 +280,9 @@ def streamed_trisect(row_ptr, k, lo, hi, base, BLOCK: tl.constexpr, C: tl.conste
 
 
 @triton.jit
-def streamed_radix(row_ptr, k, lo, hi, base, BLOCK: tl.constexpr, RADIX: tl.constexpr):
-    """:func:`streamed_trisect` by radix select: the row streamed once per digit."""
+def streamed_radix(src_ptr, counts_ptr, k, lo, hi, base, BLOCK: tl.constexpr,
+                   RADIX: tl.constexpr, REGIONS: tl.constexpr):
+    """:func:`streamed_trisect` by radix select: the source streamed once per digit."""
     offs = tl.arange(0, BLOCK)
     prefix = tl.zeros([], tl.int32)
     above = tl.zeros([], tl.int32)
@@ -256,41 +291,42 @@ def streamed_radix(row_ptr, k, lo, hi, base, BLOCK: tl.constexpr, RADIX: tl.cons
     while (shift >= 0) & (c_lo != k):
         hist = tl.zeros([1 << RADIX], tl.int32)
         for c in range(base, hi, BLOCK):
-            cols = c + offs
-            inside = in_span(cols, lo, hi)
-            bits = order_key(tl.load(row_ptr + cols, mask=inside, other=0.0)) ^ INT_MIN
-            hist += digit_histogram(bits, inside, prefix, shift, RADIX)
+            key, _, inside = streamed_block(src_ptr, counts_ptr, c + offs, lo, hi, 0, BLOCK,
+                                            REGIONS)
+            hist += digit_histogram(key ^ INT_MIN, inside, prefix, shift, RADIX)
         prefix, c_lo, above = radix_narrow(hist, k, prefix, above, shift, RADIX)
         shift -= RADIX
     return prefix ^ INT_MIN, c_lo, above
 
 
 @triton.jit
-def select_streamed(row_ptr, out_row, k, lo, hi, off, BLOCK: tl.constexpr, C: tl.constexpr,
-                    RADIX: tl.constexpr):
-    """The selection of a row with ``valid > k`` without candidates: the search (RADIX as
-    in :func:`kth_search`) counts over the whole row at each step, then one pass writes the
+def select_streamed(src_ptr, counts_ptr, out_row, k, lo, hi, off, BLOCK: tl.constexpr,
+                    C: tl.constexpr, RADIX: tl.constexpr, REGIONS: tl.constexpr):
+    """The selection of a streamed source with ``valid > k`` (:func:`streamed_block`:
+    the whole row, or candidates too many for registers): the search (RADIX as in
+    :func:`kth_search`) counts over the whole source at each step, then one pass writes the
     keys above the k-th largest and the first equal ones."""
     offs = tile(BLOCK // C, C)
     base = (lo // BLOCK) * BLOCK
     if RADIX:
-        t, c_lo, c_hi = streamed_radix(row_ptr, k, lo, hi, base, BLOCK, RADIX)
+        t, c_lo, c_hi = streamed_radix(src_ptr, counts_ptr, k, lo, hi, base, BLOCK, RADIX,
+                                       REGIONS)
     else:
-        t, c_lo, c_hi = streamed_trisect(row_ptr, k, lo, hi, base, BLOCK, C)
+        t, c_lo, c_hi = streamed_trisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK, C,
+                                         REGIONS)
     # c_lo == k: every key >= t is taken; else the c_hi keys > t, then the first equal ones
     exact = flag(c_lo == k)
     n_above = tl.where(exact, k, c_hi)
     seen_gt = tl.zeros([], tl.int32)
     seen_eq = tl.zeros([], tl.int32)
     for c in range(base, hi, BLOCK):
-        cols = c + offs
-        inside = in_span(cols, lo, hi)
-        key = order_key(tl.load(row_ptr + cols, mask=inside, other=0.0))
+        key, idx, inside = streamed_block(src_ptr, counts_ptr, c + offs, lo, hi, off, BLOCK,
+                                          REGIONS)
         gt = inside & ((key > t) | (exact & (key == t)))
         eq = inside & (key == t) & (~exact)
         before, total = slots(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
         pos = tl.where(gt, seen_gt + (before & 0xFFFF), n_above + seen_eq + (before >> 16))
-        scatter(out_row + pos, cols - lo + off, (gt | eq) & (pos < k), BLOCK)
+        scatter(out_row + pos, idx, (gt | eq) & (pos < k), BLOCK)
         seen_gt += total & 0xFFFF
         seen_eq += total >> 16
 
