@@ -261,6 +261,16 @@ def streamed_trisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK: tl.constexpr,
     offs = tile(BLOCK // C, C)
     t_lo = tl.full([], INT_MIN, tl.int64)
     t_hi = t_lo * 0 + INT_MAX + 1
+    if REGIONS:  # candidates span a few bits: a pass for [min, max] saves steps
+        k_min = tl.full([BLOCK // C, C], INT_MAX, tl.int32)
+        k_max = tl.full([BLOCK // C, C], INT_MIN, tl.int32)
+        for c in range(base, hi, BLOCK):
+            key, _, inside = streamed_block(src_ptr, counts_ptr, c + offs, lo, hi, 0, BLOCK,
+                                            REGIONS)
+            k_min = tl.minimum(k_min, tl.where(inside, key, INT_MAX))
+            k_max = tl.maximum(k_max, tl.where(inside, key, INT_MIN))
+        t_lo = tl.min(k_min).to(tl.int64)
+        t_hi = tl.max(k_max).to(tl.int64) + 1
     c_lo = hi - lo
     c_hi = c_lo * 0
     while (t_hi - t_lo > 1) & (c_lo != k):
