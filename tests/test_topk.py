@@ -196,8 +196,9 @@ test_topk_indices_and_slots_cpu, test_topk_indices_and_slots_kernel = face_tests
 @settings(max_examples=15)
 @given(case=topk_cases(max_rows=3, max_cols=400), parts=st.sampled_from([1, 2, 4]),
        block=st.sampled_from([32, 128]), cap=st.sampled_from([16, 64, 128, 512]),
-       margin=st.sampled_from([-100.0, 0.0, 4.0, 1e9]), bf16=st.booleans())
-def test_launch_variants_interpreted(search, case, parts, block, cap, margin, bf16):
+       margin=st.sampled_from([-100.0, 0.0, 4.0, 1e9]), bf16=st.booleans(),
+       streamed=st.sampled_from([None, *SEARCHES]))
+def test_launch_variants_interpreted(search, case, parts, block, cap, margin, bf16, streamed):
     """Rows read whole (valid <= cap), thresholded rows, and the streamed search when the
     threshold is too high (margin -100: fewer than k keys above it) or too low (1e9, or
     cap 16: more candidates than cap), with split parts and tiny blocks; slots from every
@@ -209,7 +210,8 @@ def test_launch_variants_interpreted(search, case, parts, block, cap, margin, bf
     slots = torch.empty(logits.shape[0], k, dtype=torch.int32)
     out = launch_topk(logits, lengths, k, starts, slots=SlotArgs(slots, *table), parts=parts,
                       block=block, select_cap=cap, sample_groups=16, margin=margin,
-                      finish_block=32, num_warps=1, select_warps=1, search=search)
+                      finish_block=32, num_warps=1, select_warps=1, search=search,
+                      streamed_search=streamed)
     check_both(logits.float(), lengths, k, starts, out)
     check_slots(out, slots, *table)
 
@@ -251,7 +253,8 @@ def overflow_rows(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, tor
 @pytest.mark.parametrize("bf16", [False, True])
 def test_candidates_over_capacity(search, bf16):
     """More candidates than select_cap, each part's within its region: the search streams
-    them from the regions; the same values as torch.topk, with and without slots."""
+    them from the regions; the same values as torch.topk, with and without slots (there
+    by the next search of the list)."""
     gen = torch.Generator().manual_seed(6)
     values, starts, lengths = overflow_rows(gen)
     lo = starts.long()
@@ -262,9 +265,10 @@ def test_candidates_over_capacity(search, bf16):
     slots = torch.empty(3, 40, dtype=torch.int32)
     launch = dict(parts=4, block=32, select_cap=128, sample_groups=16, margin=12.0,
                   finish_block=32, num_warps=1, select_warps=1, search=search)
+    streamed = SEARCHES[(SEARCHES.index(search) + 1) % len(SEARCHES)]
     for out in (launch_topk(logits, lengths, 40, starts, **launch),
                 launch_topk(logits, lengths, 40, starts, slots=SlotArgs(slots, *table),
-                            **launch)):
+                            streamed_search=streamed, **launch)):
         check_both(logits.float(), lengths, 40, starts, out)
         picked = logits.float().gather(1, out.long() + starts.long()[:, None])
         for r, s in enumerate(starts.tolist()):
@@ -332,6 +336,8 @@ def test_edge_cases_searches(search, name):
 def test_unknown_search():
     with pytest.raises(ValueError, match="`search` must be one of"):
         launch_topk(X, LENS, 4, search="bisect")
+    with pytest.raises(ValueError, match="`streamed_search` must be one of"):
+        launch_topk(X, LENS, 4, streamed_search="bisect")
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)

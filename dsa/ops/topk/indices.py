@@ -22,10 +22,10 @@ Triton, two launches (one when no row can be longer than ``select_cap``).
    select_cap``, the whole row, are held in registers; a search on the key (trisection or
    radix select, ``Tuning.search``) finds the k-th largest, and the larger keys and enough
    equal ones are written. Rows with more than ``select_cap`` candidates (T too low), each
-   part's within its region, run the same search over the stored candidates instead,
-   reading them from the regions (L2) once per step. Rows whose candidates are fewer than
-   k (T too high) or overflow a region run it over the whole row, streaming its logits
-   once per step (exact, much slower).
+   part's within its region, run a search (``Tuning.streamed_search``) over the stored
+   candidates instead, reading them from the regions (L2) once per step. Rows whose
+   candidates are fewer than k (T too high) or overflow a region run it over the whole
+   row, streaming its logits once per step (exact, much slower).
    Rows with ``valid <= k`` are written directly (``0 .. valid - 1`` then -1). With slots,
    the program then reads its row of indices back and writes their slots.
 
@@ -218,13 +218,13 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
                    num_blocks, n_cols, k, HAS_STARTS: tl.constexpr, PARTS: tl.constexpr,
                    CAP: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
                    FINISH_BLOCK: tl.constexpr, PRELOAD: tl.constexpr, SLOTS: tl.constexpr,
-                   BS: tl.constexpr, RADIX: tl.constexpr):
+                   BS: tl.constexpr, RADIX: tl.constexpr, STREAM_RADIX: tl.constexpr):
     """Program per row: ``valid <= k``: all; ``valid <= CAP``: the row read whole into
     registers; else the parts' candidates: in registers (at most CAP), streamed from the
     parts' regions (more than CAP, each part's stored whole), or, when they are not all
     stored or fewer than k, the streamed search over the row. With SLOTS, the row's
     indices are then read back and written as cache slots (``indices_to_slots`` of the
-    row)."""
+    row). STREAM_RADIX: the streamed searches' RADIX."""
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     j = tile(CAP // C, C)
@@ -254,9 +254,11 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
             select_write((packed >> 32).to(tl.int32), packed.to(tl.int32), member, total, k,
                          out_row, CAP, RADIX)
         elif (total >= k) & (largest <= CAP):  # all stored, streamed from the regions
-            select_streamed(cand_row, counts, out_row, k, 0, total, 0, CAP, C, RADIX, PARTS)
+            select_streamed(cand_row, counts, out_row, k, 0, total, 0, CAP, C, STREAM_RADIX,
+                            PARTS)
         else:
-            select_streamed(row_ptr, counts, out_row, k, lo, hi, off, BLOCK, C, RADIX, 0)
+            select_streamed(row_ptr, counts, out_row, k, lo, hi, off, BLOCK, C, STREAM_RADIX,
+                            0)
     if SLOTS:
         tl.debug_barrier()  # the row's indices, scattered by every thread, are in memory
         slot_row = slots_ptr + row.to(tl.int64) * k
@@ -337,7 +339,8 @@ class Tuning:
     search: how the k-th largest key is found (:func:`~dsa.ops.topk.select.kth_search`):
         "trisect" (two pivots counted per block reduction), "radix" (radix select, 8-bit
         digits: up to four histogram passes) or "radix4" (4-bit digits: up to eight
-        cheaper passes).
+        cheaper passes). streamed_search: the same for the searches that stream the
+        candidates or the row once per step (None: ``search``), where a pass costs reads.
     preload_rows: with at most this many rows read whole (and no starts), a row's load is
         issued before its length is known (the latency of one read fewer; more rows hide
         it anyway, and the load reads past short lengths). finish_block: step of the rows
@@ -358,6 +361,7 @@ class Tuning:
     preload_rows: int = 128
     finish_block: int = 2048
     search: str = "trisect"
+    streamed_search: str | None = None
     early_load: bool = False
 
 
@@ -398,9 +402,11 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     if max(block, finish_block, select_cap, sample_groups * sample_width) > MAX_SELECT_CAP:
         raise ValueError(f"launch_topk: `block`, `finish_block`, `select_cap` and "
                          f"`sample_groups * sample_width` must be <= {MAX_SELECT_CAP}")
-    if tune.search not in SEARCH_RADIX:
-        raise ValueError(f"launch_topk: `search` must be one of {sorted(SEARCH_RADIX)}, "
-                         f"got {tune.search!r}")
+    streamed_search = tune.search if tune.streamed_search is None else tune.streamed_search
+    for name, search in (("search", tune.search), ("streamed_search", streamed_search)):
+        if search not in SEARCH_RADIX:
+            raise ValueError(f"launch_topk: `{name}` must be one of {sorted(SEARCH_RADIX)}, "
+                             f"got {search!r}")
     head = (logits, logits.stride(0), lengths, lengths if starts is None else starts)
     flags = dict(HAS_STARTS=starts is not None, RADIX=SEARCH_RADIX[tune.search])
     # per (row, part): select_cap packed candidates, then the counts
@@ -424,6 +430,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     launch(_select_kernel, (rows,),
         *head, cand, counts, out, *slot_args, n_cols, k, PARTS=parts, CAP=select_cap,
         C=min(select_cap, block, 128 * select_warps), BLOCK=block, FINISH_BLOCK=finish_block,
+        STREAM_RADIX=SEARCH_RADIX[streamed_search],
         PRELOAD=n_cols <= select_cap and starts is None and rows <= tune.preload_rows,
         num_warps=select_warps, **flags, **slot_flags,
     )
