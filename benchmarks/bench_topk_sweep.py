@@ -1,6 +1,7 @@
 """Top-k on the GPU: ``topk_indices``, ``topk_indices_and_slots`` and masked ``torch.topk``.
 
-    python benchmarks/bench_topk_sweep.py [--quick] [--variant NAME:K=V,...] [--out FILE]
+    python benchmarks/bench_topk_sweep.py [--quick | --overflow] [--variant NAME:K=V,...]
+        [--out FILE]
 
 For each (rows, L) of ``SHAPES`` (k = 2048), both length patterns (all L, ~U[L/2, L]) and
 both logits dtypes (fp32, bf16), logits are a ``[rows, L]`` view of a 256-aligned buffer
@@ -63,8 +64,21 @@ VARIANTS: dict[str, dict] = {
     "radix4": dict(search="radix4"),
     "early-load": dict(early_load=True),
     "radix+early-load": dict(search="radix", early_load=True),
+    # more candidates than select_cap (about 3100 for k = 2048 at the long shapes, 4300-5200
+    # with margin 12): the search streams them from the parts' regions; margin -100 (fewer
+    # than k) streams the whole row, the fallback the others had before
+    "overflow-cap2048": dict(select_cap=2048),
+    "overflow-cap2048+radix": dict(select_cap=2048, streamed_search="radix"),
+    "overflow-margin12": dict(margin=12.0),
+    "overflow-margin12+radix": dict(margin=12.0, streamed_search="radix"),
+    "overflow-margin12+cap8192": dict(margin=12.0, select_cap=8192),
+    "row-streamed": dict(margin=-100.0),
+    "row-streamed+radix": dict(margin=-100.0, streamed_search="radix"),
+    "cap8192": dict(select_cap=8192),
 }
 QUICK = ("default",)
+OVERFLOW = ("default", *(name for name in VARIANTS
+                         if name.startswith(("overflow", "row-streamed", "cap8192"))))
 
 
 def make_case(rows: int, n: int, full: bool, dtype: torch.dtype, seed: int = 0):
@@ -177,13 +191,16 @@ def parse_value(text: str) -> int | float | str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"only variants {QUICK}")
+    parser.add_argument("--overflow", action="store_true",
+                        help="only the variants timing the overflow paths: "
+                        + ", ".join(OVERFLOW))
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,...",
                         help="an extra variant, e.g. 'w4:num_warps=4,block=2048' or "
                         "'r:search=radix'")
     parser.add_argument("--out", help="append the report to this markdown file "
                         "(e.g. BENCHMARKS.md)")
     args = parser.parse_args()
-    names = list(QUICK if args.quick else VARIANTS)
+    names = list(QUICK if args.quick else OVERFLOW if args.overflow else VARIANTS)
     for spec in args.variant:
         name, _, pairs = spec.partition(":")
         VARIANTS[name] = {key: parse_value(value) for key, value in
@@ -216,7 +233,8 @@ def main() -> None:
         ["variant", "TUNING changes",
          *(f"{rows}x{n} {mode}" for rows, n in SHAPES for mode in ("warm", "flushed"))],
         variants)
-    command = "python benchmarks/bench_topk_sweep.py" + (" --quick" if args.quick else "")
+    command = "python benchmarks/bench_topk_sweep.py" + (" --quick" if args.quick else "") \
+        + (" --overflow" if args.overflow else "")
     publish(report("Top-k: topk_indices, topk_indices_and_slots, masked torch.topk",
                    markdown_table(header, table) + "\n\nVariants (fused op, fp32, all "
                    "lengths; warm / flushed µs):\n\n" + variant_table, notes, command=command),

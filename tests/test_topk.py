@@ -478,7 +478,9 @@ def test_gpu_launch_variants(parts, kind):
                     dict(parts=parts, row_cols=65536, select_cap=32768),
                     *(dict(parts=parts, search=search) for search in SEARCHES),
                     *(dict(parts=parts, margin=-100.0, search=search) for search in SEARCHES),
-                    dict(parts=parts, early_load=True)):
+                    dict(parts=parts, early_load=True), dict(parts=parts, margin=12.0),
+                    *(dict(parts=parts, select_cap=2048, streamed_search=search)
+                      for search in SEARCHES)):
         out = launch_topk(logits, lengths, 2048, starts, **variant)
         check_topk(logits, lengths, 2048, starts, out)
 
@@ -494,6 +496,29 @@ def test_gpu_ties_and_spills(search):
     logits[2, ::2] = -float("inf")
     logits[3].copy_(torch.linspace(0, 1, 32768, device="cuda") ** 8)
     check_topk(logits, lengths, 2048, None, launch_topk(logits, lengths, 2048, search=search))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("variant", [dict(select_cap=2048), dict(margin=12.0)],
+                         ids=["cap2048", "margin12"])
+def test_gpu_candidates_over_capacity(variant, search, dtype):
+    """More candidates than select_cap (about 3100 > 2048; margin 12: 4300-5200 > 4096),
+    streamed from the parts' regions: torch.topk's values, and the slots of the indices."""
+    logits, lengths = gpu_case(64, 65536, full=True, seed=21)
+    logits = logits.to(dtype)
+    table = torch.randperm(64 * 1024, device="cuda").to(torch.int32).view(64, 1024)
+    requests = torch.arange(64, device="cuda", dtype=torch.int32)
+    slots = torch.empty(64, 2048, dtype=torch.int32, device="cuda")
+    out = launch_topk(logits, lengths, 2048, slots=SlotArgs(slots, table, requests, 64,
+                                                            64 * 1024),
+                      streamed_search=search, **variant)
+    check_topk(logits.float(), lengths, 2048, None, out)
+    picked = logits.float().gather(1, out.long()).sort(1, descending=True).values
+    assert torch.equal(picked, logits.float().topk(2048).values)
+    assert torch.equal(slots, torch.ops.dsa.indices_to_slots(out, table, requests, 64,
+                                                              64 * 1024))
 
 
 @pytest.mark.gpu
