@@ -246,10 +246,13 @@ def streamed_block(src_ptr, counts_ptr, i, lo, hi, off, BLOCK: tl.constexpr,
         inside = i < hi
         src, _, _ = region_offsets(counts_ptr, i, REGIONS, BLOCK)
         packed = gather(src_ptr + src, inside, BLOCK)
-        return (packed >> 32).to(tl.int32), packed.to(tl.int32), inside
+        key = (packed >> 32).to(tl.int32)
+        idx = packed.to(tl.int32)
     else:
         inside = in_span(i, lo, hi)
-        return order_key(tl.load(src_ptr + i, mask=inside, other=0.0)), i - lo + off, inside
+        key = order_key(tl.load(src_ptr + i, mask=inside, other=0.0))
+        idx = i - lo + off
+    return key, idx, inside
 
 
 @triton.jit
