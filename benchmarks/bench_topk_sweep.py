@@ -60,6 +60,7 @@ VARIANTS: dict[str, dict] = {
     "finish1024": dict(finish_block=1024),
     "select-warps4": dict(select_warps=4),
     "select-warps16": dict(select_warps=16),
+    "quintisect": dict(search="quintisect"),
     "radix": dict(search="radix"),
     "radix4": dict(search="radix4"),
     "early-load": dict(early_load=True),
@@ -69,11 +70,13 @@ VARIANTS: dict[str, dict] = {
     # than k) streams the whole row, the fallback the others had before
     "overflow-cap2048": dict(select_cap=2048),
     "overflow-cap2048+radix": dict(select_cap=2048, streamed_search="radix"),
+    "overflow-cap2048+quintisect": dict(select_cap=2048, streamed_search="quintisect"),
     "overflow-margin12": dict(margin=12.0),
     "overflow-margin12+radix": dict(margin=12.0, streamed_search="radix"),
     "overflow-margin12+cap8192": dict(margin=12.0, select_cap=8192),
     "row-streamed": dict(margin=-100.0),
     "row-streamed+radix": dict(margin=-100.0, streamed_search="radix"),
+    "row-streamed+quintisect": dict(margin=-100.0, streamed_search="quintisect"),
     "cap8192": dict(select_cap=8192),
 }
 QUICK = ("default",)

@@ -21,7 +21,7 @@ from test_slots import slots_case
 
 from dsa.ops import FACES
 from dsa.ops.topk.indices import (
-    SEARCH_RADIX,
+    SEARCHES,
     SlotArgs,
     choose_parts,
     choose_select_cap,
@@ -33,7 +33,7 @@ from dsa.ops.topk.indices import (
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                                         "ignore:invalid value encountered:RuntimeWarning")
 JUNK = (float("nan"), float("inf"), -float("inf"), 3.0e38, -3.0e38, 1.0e30)
-SEARCHES = list(SEARCH_RADIX)  # Tuning.search: every k-th key search is exact
+SEARCH_NAMES = list(SEARCHES)  # Tuning.search: every k-th key search is exact
 
 
 # --- checkers ------------------------------------------------------------------------------
@@ -192,12 +192,12 @@ test_topk_indices_and_slots_cpu, test_topk_indices_and_slots_kernel = face_tests
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
 @pytest.mark.interpret
-@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("search", SEARCH_NAMES)
 @settings(max_examples=15)
 @given(case=topk_cases(max_rows=3, max_cols=400), parts=st.sampled_from([1, 2, 4]),
        block=st.sampled_from([32, 128]), cap=st.sampled_from([16, 64, 128, 512]),
        margin=st.sampled_from([-100.0, 0.0, 4.0, 1e9]), bf16=st.booleans(),
-       streamed=st.sampled_from([None, *SEARCHES]))
+       streamed=st.sampled_from([None, *SEARCH_NAMES]))
 def test_launch_variants_interpreted(search, case, parts, block, cap, margin, bf16, streamed):
     """Rows read whole (valid <= cap), thresholded rows, and the streamed search when the
     threshold is too high (margin -100: fewer than k keys above it) or too low (1e9, or
@@ -218,8 +218,8 @@ def test_launch_variants_interpreted(search, case, parts, block, cap, margin, bf
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test")
 @pytest.mark.interpret
-@pytest.mark.parametrize("variant", [*({"search": s} for s in SEARCHES), {"early_load": True}],
-                         ids=[*SEARCHES, "early_load"])
+@pytest.mark.parametrize("variant", [*({"search": s} for s in SEARCH_NAMES), {"early_load": True}],
+                         ids=[*SEARCH_NAMES, "early_load"])
 @pytest.mark.parametrize("margin", [-100.0, 4.0, 1e9])
 def test_sampled_threshold_paths(margin, variant):
     """Long rows through the candidates pass: kept (margin 4) or the streamed search
@@ -249,7 +249,7 @@ def overflow_rows(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, tor
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
 @pytest.mark.interpret
-@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("search", SEARCH_NAMES)
 @pytest.mark.parametrize("bf16", [False, True])
 def test_candidates_over_capacity(search, bf16):
     """More candidates than select_cap, each part's within its region: the search streams
@@ -265,7 +265,7 @@ def test_candidates_over_capacity(search, bf16):
     slots = torch.empty(3, 40, dtype=torch.int32)
     launch = dict(parts=4, block=32, select_cap=128, sample_groups=16, margin=12.0,
                   finish_block=32, num_warps=1, select_warps=1, search=search)
-    streamed = SEARCHES[(SEARCHES.index(search) + 1) % len(SEARCHES)]
+    streamed = SEARCH_NAMES[(SEARCH_NAMES.index(search) + 1) % len(SEARCH_NAMES)]
     for out in (launch_topk(logits, lengths, 40, starts, **launch),
                 launch_topk(logits, lengths, 40, starts, slots=SlotArgs(slots, *table),
                             streamed_search=streamed, **launch)):
@@ -318,7 +318,7 @@ def test_edge_cases(face, name):
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
 @pytest.mark.interpret
-@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("search", SEARCH_NAMES)
 @pytest.mark.parametrize("name", list(EDGE_CASES))
 def test_edge_cases_searches(search, name):
     """Each search on the edge cases, rows read whole and (cap 16: too many candidates)
@@ -460,7 +460,7 @@ def test_gpu_shapes(rows, n, full):
     logits, lengths = gpu_case(rows, n, full=full, seed=rows + n)
     out = torch.ops.dsa.topk_indices(logits, lengths, 2048)
     check_topk(logits, lengths, 2048, None, out)
-    for search in SEARCHES:
+    for search in SEARCH_NAMES:
         check_topk(logits, lengths, 2048, None, launch_topk(logits, lengths, 2048,
                                                             search=search))
 
@@ -476,17 +476,17 @@ def test_gpu_launch_variants(parts, kind):
                     dict(parts=parts, margin=-100.0), dict(parts=parts, select_cap=2048),
                     dict(parts=parts, sample_groups=256, select_warps=4),
                     dict(parts=parts, row_cols=65536, select_cap=32768),
-                    *(dict(parts=parts, search=search) for search in SEARCHES),
-                    *(dict(parts=parts, margin=-100.0, search=search) for search in SEARCHES),
+                    *(dict(parts=parts, search=search) for search in SEARCH_NAMES),
+                    *(dict(parts=parts, margin=-100.0, search=search) for search in SEARCH_NAMES),
                     dict(parts=parts, early_load=True), dict(parts=parts, margin=12.0),
                     *(dict(parts=parts, select_cap=2048, streamed_search=search)
-                      for search in SEARCHES)):
+                      for search in SEARCH_NAMES)):
         out = launch_topk(logits, lengths, 2048, starts, **variant)
         check_topk(logits, lengths, 2048, starts, out)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("search", SEARCH_NAMES)
 def test_gpu_ties_and_spills(search):
     """All-equal rows, few distinct values, -inf filling: exact counts on the GPU (the
     first two rows take the streamed search)."""
@@ -500,7 +500,7 @@ def test_gpu_ties_and_spills(search):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("search", SEARCH_NAMES)
 @pytest.mark.parametrize("variant", [dict(select_cap=2048), dict(margin=12.0)],
                          ids=["cap2048", "margin12"])
 def test_gpu_candidates_over_capacity(variant, search, dtype):

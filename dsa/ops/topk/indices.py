@@ -19,13 +19,14 @@ Triton, two launches (one when no row can be longer than ``select_cap``).
    in flight while one is ranked) and stores the keys >= T with their output indices (one
    int64 each) in its region of ``select_cap`` entries, and their count.
 2. select (one program per row): the row's candidates, or, for rows with ``valid <=
-   select_cap``, the whole row, are held in registers; a search on the key (trisection or
-   radix select, ``Tuning.search``) finds the k-th largest, and the larger keys and enough
-   equal ones are written. Rows with more than ``select_cap`` candidates (T too low), each
-   part's within its region, run a search (``Tuning.streamed_search``) over the stored
-   candidates instead, reading them from the regions (L2) once per step. Rows whose
-   candidates are fewer than k (T too high) or overflow a region run it over the whole
-   row, streaming its logits once per step (exact, much slower).
+   select_cap``, the whole row, are held in registers; a search on the key (multisection
+   or radix select, ``Tuning.search``; bf16 on 16-bit keys) finds the k-th largest, and
+   the larger keys and enough equal ones are written. Rows with more than ``select_cap``
+   candidates (T too low), each part's within its region, run a search
+   (``Tuning.streamed_search``) over the stored candidates instead, reading them from the
+   regions (L2) once per step. Rows whose candidates are fewer than k (T too high) or
+   overflow a region run it over the whole row, streaming its logits once per step
+   (exact, much slower).
    Rows with ``valid <= k`` are written directly (``0 .. valid - 1`` then -1). With slots,
    the program then reads its row of indices back and writes their slots.
 
@@ -52,11 +53,11 @@ from dsa.ops.topk.select import (
     gather,
     in_span,
     kth_search,
-    order_key,
     part_span,
     region_offsets,
     row_range,
     scatter,
+    search_key,
     select_streamed,
     select_write,
     slots,
@@ -154,7 +155,7 @@ def _topk_slots_cpu(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor
 
 @triton.jit
 def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constexpr,
-                      RADIX: tl.constexpr):
+                      RADIX: tl.constexpr, PIVOTS: tl.constexpr):
     """Key T with about ``k + margin * sqrt(k)`` (scaled to the sample) of the row's keys
     >= T, from G groups of up to W consecutive columns spread over the row."""
     valid = hi - lo
@@ -164,13 +165,13 @@ def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constex
     member = i % W
     cols = lo + (i // W) * stride + member
     ok = (member < width) & (cols < hi)
-    keys = tl.where(ok, order_key(tl.load(row_ptr + cols, mask=ok, other=0.0)), INT_MIN)
+    keys = tl.where(ok, search_key(tl.load(row_ptr + cols, mask=ok, other=0.0)), INT_MIN)
     n_s = tl.sum(ok.to(tl.int32))
     expect = n_s.to(tl.float32) * k / valid.to(tl.float32)  # sample keys >= the k-th largest
     spread = tl.sqrt(expect)
     rank = tl.minimum(tl.maximum((expect + margin * spread).to(tl.int32) + 2, 1), n_s)
     # any count in [rank, rank + spread] will do
-    t, _ = kth_search(keys, ok, n_s, rank, rank + spread.to(tl.int32), RADIX)
+    t, _ = kth_search(keys, ok, n_s, rank, rank + spread.to(tl.int32), RADIX, PIVOTS)
     return t
 
 
@@ -179,7 +180,7 @@ def _candidates_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr
                        n_cols, k, margin, HAS_STARTS: tl.constexpr, PARTS: tl.constexpr,
                        G: tl.constexpr, W: tl.constexpr, CAP: tl.constexpr,
                        BLOCK: tl.constexpr, C: tl.constexpr, RADIX: tl.constexpr,
-                       EARLY_LOAD: tl.constexpr):
+                       PIVOTS: tl.constexpr, EARLY_LOAD: tl.constexpr):
     """Program (row, part) of a row with ``valid > CAP``: the row's threshold T from a
     sample, then the part's keys >= T with their output indices (one int64: key in the
     high half) into its region of ``CAP`` entries, and their count (it may exceed CAP).
@@ -193,14 +194,14 @@ def _candidates_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr
         offs = tile(BLOCK // C, C)
         if EARLY_LOAD:
             ahead = tl.load(row_ptr + base + offs, mask=base + offs < b, other=0.0)
-        t = _sample_threshold(row_ptr, lo, hi, k, margin, G, W, RADIX)
+        t = _sample_threshold(row_ptr, lo, hi, k, margin, G, W, RADIX, PIVOTS)
         if not EARLY_LOAD:
             ahead = tl.load(row_ptr + base + offs, mask=base + offs < b, other=0.0)
         region = cand_ptr + (row * PARTS + part).to(tl.int64) * CAP
         seen = tl.zeros([], tl.int32)
         for c in range(base, b, BLOCK):
             cols = c + offs
-            key = order_key(ahead)
+            key = search_key(ahead)
             # the next block's load is in flight while this one is ranked and stored
             ahead = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < b, other=0.0)
             take = in_span(cols, a, b) & (key >= t)
@@ -218,13 +219,14 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
                    num_blocks, n_cols, k, HAS_STARTS: tl.constexpr, PARTS: tl.constexpr,
                    CAP: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
                    FINISH_BLOCK: tl.constexpr, PRELOAD: tl.constexpr, SLOTS: tl.constexpr,
-                   BS: tl.constexpr, RADIX: tl.constexpr, STREAM_RADIX: tl.constexpr):
+                   BS: tl.constexpr, RADIX: tl.constexpr, PIVOTS: tl.constexpr,
+                   STREAM_RADIX: tl.constexpr, STREAM_PIVOTS: tl.constexpr):
     """Program per row: ``valid <= k``: all; ``valid <= CAP``: the row read whole into
     registers; else the parts' candidates: in registers (at most CAP), streamed from the
     parts' regions (more than CAP, each part's stored whole), or, when they are not all
     stored or fewer than k, the streamed search over the row. With SLOTS, the row's
     indices are then read back and written as cache slots (``indices_to_slots`` of the
-    row). STREAM_RADIX: the streamed searches' RADIX."""
+    row). STREAM_RADIX, STREAM_PIVOTS: the streamed searches' RADIX and PIVOTS."""
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     j = tile(CAP // C, C)
@@ -240,10 +242,10 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
     elif hi - lo <= CAP:
         member = j < hi - lo
         if PRELOAD:
-            keys = order_key(whole)
+            keys = search_key(whole)
         else:
-            keys = order_key(tl.load(row_ptr + lo + j, mask=member, other=0.0))
-        select_write(keys, j + off, member, hi - lo, k, out_row, CAP, RADIX)
+            keys = search_key(tl.load(row_ptr + lo + j, mask=member, other=0.0))
+        select_write(keys, j + off, member, hi - lo, k, out_row, CAP, RADIX, PIVOTS)
     else:
         counts = count_ptr + row * PARTS
         cand_row = cand_ptr + row.to(tl.int64) * (PARTS * CAP)
@@ -252,13 +254,13 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
             member = j < total
             packed = gather(cand_row + src, member, CAP)
             select_write((packed >> 32).to(tl.int32), packed.to(tl.int32), member, total, k,
-                         out_row, CAP, RADIX)
+                         out_row, CAP, RADIX, PIVOTS)
         elif (total >= k) & (largest <= CAP):  # all stored, streamed from the regions
             select_streamed(cand_row, counts, out_row, k, 0, total, 0, CAP, C, STREAM_RADIX,
-                            PARTS)
+                            STREAM_PIVOTS, PARTS)
         else:
             select_streamed(row_ptr, counts, out_row, k, lo, hi, off, BLOCK, C, STREAM_RADIX,
-                            0)
+                            STREAM_PIVOTS, 0)
     if SLOTS:
         tl.debug_barrier()  # the row's indices, scattered by every thread, are in memory
         slot_row = slots_ptr + row.to(tl.int64) * k
@@ -300,8 +302,8 @@ def choose_select_warps(rows: int, n_cols: int, select_cap: int, *, many_rows: i
 
 # the search packs two counts below 2**16 into one int32
 MAX_SELECT_CAP = 1 << 15
-# Tuning.search -> digit bits of the radix select (0: trisection)
-SEARCH_RADIX = {"trisect": 0, "radix": 8, "radix4": 4}
+# Tuning.search -> (digit bits of the radix select (0: multisection), pivots per step)
+SEARCHES = {"trisect": (0, 2), "quintisect": (0, 4), "radix": (8, 2), "radix4": (4, 2)}
 
 
 def _power_of_two(**values: int) -> None:
@@ -337,10 +339,12 @@ class Tuning:
         kernel takes 4 warps instead of 8 when it reads at least this many whole rows
         (:func:`choose_select_warps`).
     search: how the k-th largest key is found (:func:`~dsa.ops.topk.select.kth_search`):
-        "trisect" (two pivots counted per block reduction), "radix" (radix select, 8-bit
-        digits: up to four histogram passes) or "radix4" (4-bit digits: up to eight
-        cheaper passes). streamed_search: the same for the searches that stream the
-        candidates or the row once per step (None: ``search``), where a pass costs reads.
+        "trisect" (two pivots counted per block reduction: the bracket cut to a third),
+        "quintisect" (four pivots, two reductions in one: to a fifth), "radix" (radix
+        select, 8-bit digits: up to four histogram passes) or "radix4" (4-bit digits: up to
+        eight cheaper passes); bf16 logits are searched on 16-bit keys. streamed_search:
+        the same for the searches that stream the candidates or the row once per step
+        (None: ``search``), where a pass costs reads.
     preload_rows: with at most this many rows read whole (and no starts), a row's load is
         issued before its length is known (the latency of one read fewer; more rows hide
         it anyway, and the load reads past short lengths). finish_block: step of the rows
@@ -404,11 +408,12 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
                          f"`sample_groups * sample_width` must be <= {MAX_SELECT_CAP}")
     streamed_search = tune.search if tune.streamed_search is None else tune.streamed_search
     for name, search in (("search", tune.search), ("streamed_search", streamed_search)):
-        if search not in SEARCH_RADIX:
-            raise ValueError(f"launch_topk: `{name}` must be one of {sorted(SEARCH_RADIX)}, "
+        if search not in SEARCHES:
+            raise ValueError(f"launch_topk: `{name}` must be one of {sorted(SEARCHES)}, "
                              f"got {search!r}")
     head = (logits, logits.stride(0), lengths, lengths if starts is None else starts)
-    flags = dict(HAS_STARTS=starts is not None, RADIX=SEARCH_RADIX[tune.search])
+    radix, pivots = SEARCHES[tune.search]
+    flags = dict(HAS_STARTS=starts is not None, RADIX=radix, PIVOTS=pivots)
     # per (row, part): select_cap packed candidates, then the counts
     cand = torch.empty(rows * parts * select_cap, dtype=torch.int64, device=logits.device)
     counts = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
@@ -430,7 +435,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     launch(_select_kernel, (rows,),
         *head, cand, counts, out, *slot_args, n_cols, k, PARTS=parts, CAP=select_cap,
         C=min(select_cap, block, 128 * select_warps), BLOCK=block, FINISH_BLOCK=finish_block,
-        STREAM_RADIX=SEARCH_RADIX[streamed_search],
+        STREAM_RADIX=SEARCHES[streamed_search][0], STREAM_PIVOTS=SEARCHES[streamed_search][1],
         PRELOAD=n_cols <= select_cap and starts is None and rows <= tune.preload_rows,
         num_warps=select_warps, **flags, **slot_flags,
     )

@@ -1,14 +1,14 @@
 """Building blocks of an exact top-k on order-preserving int32 keys, in Triton.
 
-Keys (:func:`key`) order like the fp32 logits they encode. A row's keys live in an
-``[R, C]`` register tile (:func:`tile`); :func:`kth_search` finds the k-th largest key,
-by trisection with two pivots counted per block reduction or by a radix select (a
-histogram of one digit per pass, ``RADIX`` bits at a time), :func:`select_write` writes the
-larger keys and enough equal ones, and :func:`select_streamed` does the same for a row, or
-for candidates, too many for registers, streaming them once per step
-(:func:`streamed_block`). Stores and gathers go through flattened
-tiles (:func:`scatter`, :func:`gather`) so Triton keeps one layout for them.
-"""
+Keys (:func:`order_key`, :func:`search_key`) order like the logits they encode. A row's
+keys live in an ``[R, C]`` register tile (:func:`tile`); :func:`kth_search` finds the k-th
+largest key, by multisection with two or four pivots counted per block reduction or by a
+radix select (a histogram of one digit per pass, ``RADIX`` bits at a time),
+:func:`select_write` writes the larger keys and enough equal ones, and
+:func:`select_streamed` does the same for a row, or for candidates, too many for
+registers, streaming them once per step (:func:`streamed_block`). Stores and gathers go
+through flattened tiles (:func:`scatter`, :func:`gather`) so Triton keeps one layout for
+them."""
 
 import triton
 import triton.language as tl
@@ -23,6 +23,17 @@ def order_key(x):
     its own inverse)."""
     b = x.to(tl.float32).to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def search_key(x):
+    """The key the top-k searches: :func:`order_key`, narrowed to its top 16 bits for bf16
+    (the others are constant there, and a search would spend steps on them). Same order;
+    equal exactly for equal values."""
+    key = order_key(x)
+    if x.dtype == tl.bfloat16:
+        key = key >> 16
+    return key
 
 
 @triton.jit
@@ -99,21 +110,46 @@ def gather(ptrs, mask, N: tl.constexpr):
 
 
 @triton.jit
-def next_pivots(lo, hi):
-    """Two pivots ``lo < m1 <= m2 < hi`` cutting ``[lo, hi)`` (``hi - lo >= 2``) in thirds."""
-    span = hi - lo
-    m1 = lo + tl.maximum(span // 3, 1)
-    return m1, tl.maximum(lo + (2 * span) // 3, m1)
+def pivot(lo, span, i: tl.constexpr, PIVOTS: tl.constexpr):
+    """Pivot ``i`` (1 .. PIVOTS) cutting ``[lo, lo + span)`` (``span >= 2``) into PIVOTS + 1
+    near-equal sections: ``lo < pivot 1 <= ... <= pivot PIVOTS < lo + span``."""
+    return lo + tl.maximum(span * i // (PIVOTS + 1), 1)
 
 
 @triton.jit
-def narrow(lo, hi, c_lo, m1, m2, c1, c2, need):
-    """The bracket after counting both pivots: (lo, hi, c_lo) with count(lo) = c_lo >= need
-    > count(hi)."""
-    top = c2 >= need
-    mid = c1 >= need
-    return (tl.where(top, m2, tl.where(mid, m1, lo)), tl.where(top, hi, tl.where(mid, m2, m1)),
-            tl.where(top, c2, tl.where(mid, c1, c_lo)))
+def raise_bracket(lo, hi, c_lo, c_hi, m, m_next, c, c_next, need):
+    """The bracket ``[m, m_next)`` (counts c, c_next) when ``c = count(key >= m) >= need``;
+    applied to the pivots in rising order, the last such one wins."""
+    take = c >= need
+    return (tl.where(take, m, lo), tl.where(take, m_next, hi), tl.where(take, c, c_lo),
+            tl.where(take, c_next, c_hi))
+
+
+@triton.jit
+def narrow(lo, hi, c_lo, c_hi, m1, m2, m3, m4, c1, c2, c3, c4, need, PIVOTS: tl.constexpr):
+    """The bracket after counting the pivots (``m3, m4, c3, c4`` unused when PIVOTS = 2):
+    (lo, hi, c_lo, c_hi) with ``c_lo = count(key >= lo) >= need > count(key >= hi) = c_hi``."""
+    if PIVOTS == 2:
+        top, top_c = hi, c_hi
+    else:
+        top, top_c = m3, c3
+    lo2, hi2, c_lo2, c_hi2 = raise_bracket(lo, m1, c_lo, c1, m1, m2, c1, c2, need)
+    lo2, hi2, c_lo2, c_hi2 = raise_bracket(lo2, hi2, c_lo2, c_hi2, m2, top, c2, top_c, need)
+    if PIVOTS == 4:
+        lo2, hi2, c_lo2, c_hi2 = raise_bracket(lo2, hi2, c_lo2, c_hi2, m3, m4, c3, c4, need)
+        lo2, hi2, c_lo2, c_hi2 = raise_bracket(lo2, hi2, c_lo2, c_hi2, m4, hi, c4, c_hi, need)
+    return lo2, hi2, c_lo2, c_hi2
+
+
+@triton.jit
+def packed_counts(keys, a, b):
+    """``count(key >= a) | count(key >= b) << 16`` over a tile, per element (sum it)."""
+    return (keys >= a.to(tl.int32)).to(tl.int32) + ((keys >= b.to(tl.int32)).to(tl.int32) << 16)
+
+
+@triton.jit
+def _add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
 
 
 @triton.jit
@@ -163,46 +199,58 @@ def radix_search(keys, member, count, need, need_hi, RADIX: tl.constexpr):
 
 
 @triton.jit
-def trisect_search(keys, member, count, need, need_hi):
-    """:func:`kth_search` by trisection of the key bracket ``[lo, hi)`` (from one reduction
-    of both ends): both pivots are counted by one block reduction (the counts packed in
-    16-bit halves), so a step costs what a bisection step does and cuts the bracket to a
-    third."""
+def multisect_search(keys, member, count, need, need_hi, PIVOTS: tl.constexpr):
+    """:func:`kth_search` by multisection of the key bracket ``[lo, hi)`` (from one
+    reduction of both ends): the PIVOTS (2 or 4) pivots of a step are counted by one block
+    reduction (two counts packed per int32), so a step costs about what a bisection step
+    does and cuts the bracket to a third (a fifth)."""
     lo, top = tl.reduce((tl.ravel(tl.where(member, keys, INT_MAX)), tl.ravel(keys)), 0,
                         _min_max)
     lo = lo.to(tl.int64)
     hi = top.to(tl.int64) + 1
     c_lo = count
+    c_hi = count * 0
     while (hi - lo > 1) & ((c_lo < need) | (c_lo > need_hi)):
-        m1, m2 = next_pivots(lo, hi)
-        packed = tl.sum((keys >= m1.to(tl.int32)).to(tl.int32)
-                        + ((keys >= m2.to(tl.int32)).to(tl.int32) << 16))
-        lo, hi, c_lo = narrow(lo, hi, c_lo, m1, m2, packed & 0xFFFF, (packed >> 16) & 0xFFFF,
-                               need)
+        span = hi - lo
+        m1 = pivot(lo, span, 1, PIVOTS)
+        m2 = pivot(lo, span, 2, PIVOTS)
+        if PIVOTS == 2:
+            m3, m4 = m2, m2
+            p12 = tl.sum(packed_counts(keys, m1, m2))
+            p34 = p12
+        else:
+            m3 = pivot(lo, span, 3, PIVOTS)
+            m4 = pivot(lo, span, 4, PIVOTS)
+            p12, p34 = tl.reduce((tl.ravel(packed_counts(keys, m1, m2)),
+                                  tl.ravel(packed_counts(keys, m3, m4))), 0, _add_pairs)
+        lo, hi, c_lo, c_hi = narrow(lo, hi, c_lo, c_hi, m1, m2, m3, m4, p12 & 0xFFFF,
+                                    (p12 >> 16) & 0xFFFF, p34 & 0xFFFF, (p34 >> 16) & 0xFFFF,
+                                    need, PIVOTS)
     return lo.to(tl.int32), c_lo
 
 
 @triton.jit
-def kth_search(keys, member, count, need, need_hi, RADIX: tl.constexpr):
+def kth_search(keys, member, count, need, need_hi, RADIX: tl.constexpr,
+               PIVOTS: tl.constexpr):
     """A key ``t`` with ``need <= count(key >= t) <= need_hi``, or, when no key has such a
     count, with ``count(key >= t) >= need > count(key > t)``; returns (t, count(key >= t)).
     Requires ``1 <= need <= count = count(member) <= 2**15``; non-member keys must be
-    ``INT_MIN``. RADIX: 0 for :func:`trisect_search`, else the digit bits of
-    :func:`radix_search` (4 or 8)."""
+    ``INT_MIN``. RADIX: 0 for :func:`multisect_search` with PIVOTS pivots per step, else
+    the digit bits of :func:`radix_search` (4 or 8)."""
     if RADIX:
         t, c = radix_search(keys, member, count, need, need_hi, RADIX)
     else:
-        t, c = trisect_search(keys, member, count, need, need_hi)
+        t, c = multisect_search(keys, member, count, need, need_hi, PIVOTS)
     return t, c
 
 
 @triton.jit
 def select_write(keys, idx, member, count, k, out_row, N: tl.constexpr,
-                 RADIX: tl.constexpr):
+                 RADIX: tl.constexpr, PIVOTS: tl.constexpr):
     """Writes the output indices ``idx`` of the k largest member keys of an ``[R, C]`` tile
     (N elements, ``count = count(member) > k``; ties: the first in column-major order)."""
     keys = tl.where(member, keys, INT_MIN)
-    t, _ = kth_search(keys, member, count, k, k, RADIX)
+    t, _ = kth_search(keys, member, count, k, k, RADIX, PIVOTS)
     # keys > t are all taken (fewer than k), then keys == t up to k
     gt = member & (keys > t)
     eq = member & (keys == t)
@@ -250,20 +298,18 @@ def streamed_block(src_ptr, counts_ptr, i, lo, hi, off, BLOCK: tl.constexpr,
         idx = packed.to(tl.int32)
     else:
         inside = in_span(i, lo, hi)
-        key = order_key(tl.load(src_ptr + i, mask=inside, other=0.0))
+        key = search_key(tl.load(src_ptr + i, mask=inside, other=0.0))
         idx = i - lo + off
     return key, idx, inside
 
 
 @triton.jit
-def streamed_trisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK: tl.constexpr,
-                     C: tl.constexpr, REGIONS: tl.constexpr):
-    """The trisection of :func:`trisect_search` over a streamed source (``valid > k``; see
-    :func:`streamed_block`), once per step: (t, count(key >= t), count(key > t)) with
+def streamed_multisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK: tl.constexpr,
+                       C: tl.constexpr, REGIONS: tl.constexpr, PIVOTS: tl.constexpr):
+    """The multisection of :func:`multisect_search` over a streamed source (``valid > k``;
+    see :func:`streamed_block`), once per step: (t, count(key >= t), count(key > t)) with
     ``count(key >= t) == k`` or ``t`` the k-th largest key."""
     offs = tile(BLOCK // C, C)
-    t_lo = tl.full([], INT_MIN, tl.int64)
-    t_hi = t_lo * 0 + INT_MAX + 1
     if REGIONS:  # candidates span a few bits: a pass for [min, max] saves steps
         k_min = tl.full([BLOCK // C, C], INT_MAX, tl.int32)
         k_max = tl.full([BLOCK // C, C], INT_MIN, tl.int32)
@@ -274,21 +320,32 @@ def streamed_trisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK: tl.constexpr,
             k_max = tl.maximum(k_max, tl.where(inside, key, INT_MIN))
         t_lo = tl.min(k_min).to(tl.int64)
         t_hi = tl.max(k_max).to(tl.int64) + 1
+    else:  # the domain of the row's search keys
+        bits: tl.constexpr = 16 if src_ptr.dtype.element_ty == tl.bfloat16 else 32
+        t_lo = tl.full([], -(2 ** (bits - 1)), tl.int64)
+        t_hi = t_lo * 0 + 2 ** (bits - 1)
     c_lo = hi - lo
     c_hi = c_lo * 0
     while (t_hi - t_lo > 1) & (c_lo != k):
-        m1, m2 = next_pivots(t_lo, t_hi)
-        n1 = tl.zeros([BLOCK // C, C], tl.int32)
-        n2 = tl.zeros([BLOCK // C, C], tl.int32)
+        span = t_hi - t_lo
+        m1 = pivot(t_lo, span, 1, PIVOTS)
+        m2 = pivot(t_lo, span, 2, PIVOTS)
+        m3 = pivot(t_lo, span, 3, PIVOTS)
+        m4 = pivot(t_lo, span, 4, PIVOTS)
+        n12 = tl.zeros([BLOCK // C, C], tl.int32)
+        n34 = tl.zeros([BLOCK // C, C], tl.int32)
         for c in range(base, hi, BLOCK):
             key, _, inside = streamed_block(src_ptr, counts_ptr, c + offs, lo, hi, 0, BLOCK,
                                             REGIONS)
-            n1 += (inside & (key >= m1.to(tl.int32))).to(tl.int32)
-            n2 += (inside & (key >= m2.to(tl.int32))).to(tl.int32)
-        c1 = tl.sum(n1)
-        c2 = tl.sum(n2)
-        c_hi = tl.where(c2 >= k, c_hi, tl.where(c1 >= k, c2, c1))
-        t_lo, t_hi, c_lo = narrow(t_lo, t_hi, c_lo, m1, m2, c1, c2, k)
+            key = tl.where(inside, key, INT_MIN)
+            n12 += packed_counts(key, m1, m2)
+            if PIVOTS == 4:
+                n34 += packed_counts(key, m3, m4)
+        p12 = tl.sum(n12)
+        p34 = tl.sum(n34)
+        t_lo, t_hi, c_lo, c_hi = narrow(t_lo, t_hi, c_lo, c_hi, m1, m2, m3, m4, p12 & 0xFFFF,
+                                        (p12 >> 16) & 0xFFFF, p34 & 0xFFFF,
+                                        (p34 >> 16) & 0xFFFF, k, PIVOTS)
     return t_lo.to(tl.int32), c_lo, c_hi
 
 
@@ -314,10 +371,11 @@ def streamed_radix(src_ptr, counts_ptr, k, lo, hi, base, BLOCK: tl.constexpr,
 
 @triton.jit
 def select_streamed(src_ptr, counts_ptr, out_row, k, lo, hi, off, BLOCK: tl.constexpr,
-                    C: tl.constexpr, RADIX: tl.constexpr, REGIONS: tl.constexpr):
+                    C: tl.constexpr, RADIX: tl.constexpr, PIVOTS: tl.constexpr,
+                    REGIONS: tl.constexpr):
     """The selection of a streamed source with ``valid > k`` (:func:`streamed_block`:
-    the whole row, or candidates too many for registers): the search (RADIX as in
-    :func:`kth_search`) counts over the whole source at each step, then one pass writes the
+    the whole row, or candidates too many for registers): the search (RADIX and PIVOTS as
+    in :func:`kth_search`) counts over the whole source at each step, then one pass writes the
     keys above the k-th largest and the first equal ones."""
     offs = tile(BLOCK // C, C)
     base = (lo // BLOCK) * BLOCK
@@ -325,8 +383,8 @@ def select_streamed(src_ptr, counts_ptr, out_row, k, lo, hi, off, BLOCK: tl.cons
         t, c_lo, c_hi = streamed_radix(src_ptr, counts_ptr, k, lo, hi, base, BLOCK, RADIX,
                                        REGIONS)
     else:
-        t, c_lo, c_hi = streamed_trisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK, C,
-                                         REGIONS)
+        t, c_lo, c_hi = streamed_multisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK, C,
+                                           REGIONS, PIVOTS)
     # c_lo == k: every key >= t is taken; else the c_hi keys > t, then the first equal ones
     exact = flag(c_lo == k)
     n_above = tl.where(exact, k, c_hi)
