@@ -25,6 +25,8 @@ DeepGEMM's schedule kernel when ``deepgemm``; the CPU face composes their torch 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -58,6 +60,41 @@ from dsa.ops.decode_meta import (
 )
 from dsa.ops.logits import deepgemm as deepgemm_backend
 from dsa.ops.logits.schedule import schedule_of_clamped
+
+
+class _Args(NamedTuple):
+    """The arguments of ``dsa::decode_metadata``, as both faces read them."""
+
+    query_start_loc: Tensor
+    seq_lens: Tensor
+    block_table: Tensor
+    positions: Tensor
+    slot_mapping: Tensor
+    native: bool
+    next_n: int
+    compress_ratio: int
+    dcp_world: int
+    dcp_rank: int
+    dcp_interleave: int
+    num_blocks: int
+    block_size: int
+    max_context_len: int
+    max_model_len: int
+    deepgemm: bool
+
+
+class _Outputs(NamedTuple):
+    """The outputs of ``dsa::decode_metadata`` (the fields of ``DecodeMetadata`` it fills)."""
+
+    global_lens: Tensor
+    context_lens: Tensor
+    block_table: Tensor
+    token_requests: Tensor
+    valid_tokens: Tensor
+    slot_mapping: Tensor
+    select_lens: Tensor
+    schedule_lens: Tensor
+    schedule: Tensor
 
 
 @dsa_op("decode_metadata")
@@ -107,34 +144,30 @@ def _decode_metadata_out(
 
 @_decode_metadata_out.cpu
 def _decode_metadata_cpu(*args: object) -> tuple[Tensor, ...]:
-    out = _decode_metadata_out(*args)
-    (query_start_loc, seq_lens, block_table, positions, slot_mapping, native, next_n,
-     compress_ratio, dcp_world, dcp_rank, dcp_interleave, num_blocks, block_size,
-     max_context_len, max_model_len, deepgemm) = args
-    (global_out, lens_out, table_out, requests_out, valid_out, slots_out, select_out,
-     schedule_lens, schedule) = out
-    num_reqs, num_tokens = seq_lens.numel(), slot_mapping.numel()
-    requests = row_requests(query_start_loc, num_tokens)
-    valid = valid_tokens(requests, positions, num_reqs, max_model_len)
-    if native:
-        global_lens, table = native_lens(seq_lens, next_n), block_table
+    a, out = _Args(*args), _Outputs(*_decode_metadata_out(*args))
+    num_reqs, num_tokens = a.seq_lens.numel(), a.slot_mapping.numel()
+    requests = row_requests(a.query_start_loc, num_tokens)
+    valid = valid_tokens(requests, a.positions, num_reqs, a.max_model_len)
+    if a.native:
+        global_lens, table = native_lens(a.seq_lens, a.next_n), a.block_table
     else:
-        global_lens = token_lens(query_start_loc, seq_lens, num_tokens).view(num_tokens, 1)
-        table = expanded_table(query_start_loc, block_table, num_tokens)
-    global_lens = global_lens // compress_ratio
-    local = local_share(global_lens, dcp_world, dcp_rank, dcp_interleave)
-    lens_out.copy_(capped_lens(local, table, num_blocks, block_size, max_context_len))
-    table_out.copy_(table)
-    if deepgemm:
-        table_out[:, :1].clamp_(0, num_blocks - 1)
-        schedule_lens.copy_(lens_out.clamp(min=1))
-    select_out.copy_(selection_lens(lens_out, valid))
-    global_out.copy_(global_lens)
-    requests_out.copy_(requests)
-    valid_out.copy_(valid)
-    slots_out.copy_(torch.where(valid, slot_mapping, -1))
-    return (global_out, lens_out, table_out, requests_out, valid_out, slots_out, select_out,
-            schedule_lens, schedule.zero_())
+        global_lens = token_lens(a.query_start_loc, a.seq_lens, num_tokens).view(num_tokens, 1)
+        table = expanded_table(a.query_start_loc, a.block_table, num_tokens)
+    global_lens = global_lens // a.compress_ratio
+    local = local_share(global_lens, a.dcp_world, a.dcp_rank, a.dcp_interleave)
+    out.context_lens.copy_(capped_lens(local, table, a.num_blocks, a.block_size,
+                                       a.max_context_len))
+    out.block_table.copy_(table)
+    if a.deepgemm:
+        out.block_table[:, :1].clamp_(0, a.num_blocks - 1)
+        out.schedule_lens.copy_(out.context_lens.clamp(min=1))
+    out.select_lens.copy_(selection_lens(out.context_lens, valid))
+    out.global_lens.copy_(global_lens)
+    out.token_requests.copy_(requests)
+    out.valid_tokens.copy_(valid)
+    out.slot_mapping.copy_(torch.where(valid, a.slot_mapping, -1))
+    out.schedule.zero_()
+    return tuple(out)
 
 
 def selection_lens(lens: Tensor, valid_tokens: Tensor) -> Tensor:
@@ -220,29 +253,26 @@ def _decode_metadata_kernel(
 
 @_decode_metadata_out.cuda
 def _decode_metadata_cuda(*args: object) -> tuple[Tensor, ...]:
-    out = _decode_metadata_out(*args)
-    (query_start_loc, seq_lens, block_table, positions, slot_mapping, native, _,
-     compress_ratio, dcp_world, dcp_rank, dcp_interleave, num_blocks, block_size,
-     max_context_len, max_model_len, deepgemm) = args
-    (global_lens, lens, table_out, requests, valid, slots, select_lens, schedule_lens,
-     schedule) = out
-    num_reqs, num_tokens = seq_lens.numel(), slot_mapping.numel()
-    (rows, slots_per_row), width = lens.shape, block_table.shape[1]
-    clamped = schedule_lens if deepgemm else lens  # not written without DeepGEMM
+    a, out = _Args(*args), _Outputs(*_decode_metadata_out(*args))
+    num_reqs, num_tokens = a.seq_lens.numel(), a.slot_mapping.numel()
+    (rows, slots_per_row), width = out.context_lens.shape, a.block_table.shape[1]
+    # schedule_lens is not written without DeepGEMM
+    clamped = out.schedule_lens if a.deepgemm else out.context_lens
     block_t = block_for(num_tokens)
     grid = (max(rows, triton.cdiv(num_tokens, block_t)),
             max(1, triton.cdiv(width, block_for(width))))
     if grid[0]:
         _decode_metadata_kernel[grid](
-            query_start_loc, seq_lens, block_table, block_table.stride(0), positions,
-            slot_mapping, global_lens, lens, select_lens, clamped, table_out, requests, valid,
-            slots, num_reqs, rows, num_tokens, width, dcp_world, dcp_rank, dcp_interleave,
-            num_blocks, max_context_len, max_model_len, NATIVE=native, N=slots_per_row,
-            NP=triton.next_power_of_2(slots_per_row), RATIO=compress_ratio, DEEPGEMM=deepgemm,
-            BS=block_size, SEARCH_STEPS=search_steps(num_reqs), BLOCK_T=block_t,
-            BLOCK_W=block_for(width, cap=256), BLOCK_C=block_for(width),
+            a.query_start_loc, a.seq_lens, a.block_table, a.block_table.stride(0), a.positions,
+            a.slot_mapping, out.global_lens, out.context_lens, out.select_lens, clamped,
+            out.block_table, out.token_requests, out.valid_tokens, out.slot_mapping, num_reqs,
+            rows, num_tokens, width, a.dcp_world, a.dcp_rank, a.dcp_interleave, a.num_blocks,
+            a.max_context_len, a.max_model_len, NATIVE=a.native, N=slots_per_row,
+            NP=triton.next_power_of_2(slots_per_row), RATIO=a.compress_ratio,
+            DEEPGEMM=a.deepgemm, BS=a.block_size, SEARCH_STEPS=search_steps(num_reqs),
+            BLOCK_T=block_t, BLOCK_W=block_for(width, cap=256), BLOCK_C=block_for(width),
         )
-    if deepgemm:
-        schedule = schedule_of_clamped(schedule_lens, block_size, schedule)
-    return (global_lens, lens, table_out, requests, valid, slots, select_lens, schedule_lens,
-            schedule)
+    if a.deepgemm:
+        out = out._replace(schedule=schedule_of_clamped(out.schedule_lens, a.block_size,
+                                                        out.schedule))
+    return tuple(out)
