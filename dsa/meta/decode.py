@@ -16,6 +16,7 @@ from torch import Tensor
 from dsa._pytree import pytree_dataclass
 from dsa.config import IndexerConfig
 from dsa.meta.batch import Batch, check_batch, check_batch_values, indexer_writes
+from dsa.ops.decode_fused import DecodeMetadataOutputs
 from dsa.ops.logits import paged_backend
 
 ops = torch.ops.dsa
@@ -109,7 +110,7 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
     # logits row, its block table or onto a block outside the cache: DeepGEMM trusts its
     # lengths, top-k must never select such keys), the rows' block tables, the token
     # masks, the selection lengths, and with DeepGEMM its lengths and schedule.
-    leaves = dict(zip(_DECODE_METADATA_OUTPUTS, ops.decode_metadata(
+    leaves = dict(zip(DecodeMetadataOutputs._fields, ops.decode_metadata(
         qsl, batch.seq_lens, request_table, batch.positions, slots, native, cfg.next_n,
         cfg.compress_ratio, cfg.dcp_world, cfg.dcp_rank, cfg.dcp_interleave,
         cfg.num_blocks if cfg.num_blocks is not None else UNKNOWN_NUM_BLOCKS,
@@ -127,12 +128,6 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
                           request_block_table=request_table, kpool_slot_mapping=kpool_slots,
                           logits_backend=backend, max_context_len=width,
                           num_blocks=cfg.num_blocks, **leaves)
-
-
-# The outputs of ``dsa::decode_metadata``, in order, as DecodeMetadata fields.
-_DECODE_METADATA_OUTPUTS = ("global_context_lens", "context_lens", "block_table",
-                            "token_requests", "valid_tokens", "slot_mapping", "select_lens",
-                            "schedule_lens", "schedule")
 
 
 # Without ``cfg.num_blocks``, any non-negative block id counts as inside the cache.

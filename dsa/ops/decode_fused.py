@@ -83,10 +83,11 @@ class _Args(NamedTuple):
     deepgemm: bool
 
 
-class _Outputs(NamedTuple):
-    """The outputs of ``dsa::decode_metadata`` (the fields of ``DecodeMetadata`` it fills)."""
+class DecodeMetadataOutputs(NamedTuple):
+    """The outputs of ``dsa::decode_metadata``, in order, named as the ``DecodeMetadata``
+    fields they fill."""
 
-    global_lens: Tensor
+    global_context_lens: Tensor
     context_lens: Tensor
     block_table: Tensor
     token_requests: Tensor
@@ -144,7 +145,7 @@ def _decode_metadata_out(
 
 @_decode_metadata_out.cpu
 def _decode_metadata_cpu(*args: object) -> tuple[Tensor, ...]:
-    a, out = _Args(*args), _Outputs(*_decode_metadata_out(*args))
+    a, out = _Args(*args), DecodeMetadataOutputs(*_decode_metadata_out(*args))
     num_reqs, num_tokens = a.seq_lens.numel(), a.slot_mapping.numel()
     requests = row_requests(a.query_start_loc, num_tokens)
     valid = valid_tokens(requests, a.positions, num_reqs, a.max_model_len)
@@ -162,7 +163,7 @@ def _decode_metadata_cpu(*args: object) -> tuple[Tensor, ...]:
         out.block_table[:, :1].clamp_(0, a.num_blocks - 1)
         out.schedule_lens.copy_(out.context_lens.clamp(min=1))
     out.select_lens.copy_(selection_lens(out.context_lens, valid))
-    out.global_lens.copy_(global_lens)
+    out.global_context_lens.copy_(global_lens)
     out.token_requests.copy_(requests)
     out.valid_tokens.copy_(valid)
     out.slot_mapping.copy_(torch.where(valid, a.slot_mapping, -1))
@@ -253,7 +254,7 @@ def _decode_metadata_kernel(
 
 @_decode_metadata_out.cuda
 def _decode_metadata_cuda(*args: object) -> tuple[Tensor, ...]:
-    a, out = _Args(*args), _Outputs(*_decode_metadata_out(*args))
+    a, out = _Args(*args), DecodeMetadataOutputs(*_decode_metadata_out(*args))
     num_reqs, num_tokens = a.seq_lens.numel(), a.slot_mapping.numel()
     (rows, slots_per_row), width = out.context_lens.shape, a.block_table.shape[1]
     # schedule_lens is not written without DeepGEMM
@@ -264,7 +265,7 @@ def _decode_metadata_cuda(*args: object) -> tuple[Tensor, ...]:
     if grid[0]:
         _decode_metadata_kernel[grid](
             a.query_start_loc, a.seq_lens, a.block_table, a.block_table.stride(0), a.positions,
-            a.slot_mapping, out.global_lens, out.context_lens, out.select_lens, clamped,
+            a.slot_mapping, out.global_context_lens, out.context_lens, out.select_lens, clamped,
             out.block_table, out.token_requests, out.valid_tokens, out.slot_mapping, num_reqs,
             rows, num_tokens, width, a.dcp_world, a.dcp_rank, a.dcp_interleave, a.num_blocks,
             a.max_context_len, a.max_model_len, NATIVE=a.native, N=slots_per_row,
