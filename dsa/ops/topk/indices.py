@@ -365,7 +365,7 @@ class Tuning:
     preload_rows: int = 128
     finish_block: int = 2048
     search: str = "trisect"  # H200: quintisect 31.8 µs vs 28.5 at 64x64K (bench_topk_sweep)
-    streamed_search: str | None = "quintisect"  # rows streamed 5 times fewer: 206 vs 336 µs
+    streamed_search: str | None = "quintisect"  # a row streamed: 207 µs vs 336 (trisect)
     early_load: bool = False
 
 
@@ -413,6 +413,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
                              f"got {search!r}")
     head = (logits, logits.stride(0), lengths, lengths if starts is None else starts)
     radix, pivots = SEARCHES[tune.search]
+    stream_radix, stream_pivots = SEARCHES[streamed_search]
     flags = dict(HAS_STARTS=starts is not None, RADIX=radix, PIVOTS=pivots)
     # per (row, part): select_cap packed candidates, then the counts
     cand = torch.empty(rows * parts * select_cap, dtype=torch.int64, device=logits.device)
@@ -435,7 +436,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     launch(_select_kernel, (rows,),
         *head, cand, counts, out, *slot_args, n_cols, k, PARTS=parts, CAP=select_cap,
         C=min(select_cap, block, 128 * select_warps), BLOCK=block, FINISH_BLOCK=finish_block,
-        STREAM_RADIX=SEARCHES[streamed_search][0], STREAM_PIVOTS=SEARCHES[streamed_search][1],
+        STREAM_RADIX=stream_radix, STREAM_PIVOTS=stream_pivots,
         PRELOAD=n_cols <= select_cap and starts is None and rows <= tune.preload_rows,
         num_warps=select_warps, **flags, **slot_flags,
     )

@@ -352,7 +352,7 @@ def streamed_multisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK: tl.constexpr
 @triton.jit
 def streamed_radix(src_ptr, counts_ptr, k, lo, hi, base, BLOCK: tl.constexpr,
                    RADIX: tl.constexpr, REGIONS: tl.constexpr):
-    """:func:`streamed_trisect` by radix select: the source streamed once per digit."""
+    """:func:`streamed_multisect` by radix select: the source streamed once per digit."""
     offs = tl.arange(0, BLOCK)
     prefix = tl.zeros([], tl.int32)
     above = tl.zeros([], tl.int32)
