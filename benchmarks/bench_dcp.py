@@ -9,7 +9,8 @@ GPU holding the whole context (``topk_indices``), (c) the exchange and merge alo
 all-gather of [B, 2k] (score, position) pairs and the merge), (d) ``topk_scored`` and
 ``topk_indices`` on one rank's logits. Every time is the device time of a CUDA-graph replay
 (the step compiled with ``fullgraph=True``), median of fixed repetitions run in lockstep by
-both ranks.
+both ranks. The step keeps the selection as a set (``sorted=False``: no sort in
+``topk_scored`` nor in the merge); the sorted variants are timed next to it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from _report import markdown_table, publish, report
 from bench_leaves import random_cache
 
 SHAPES = [(b, n) for n in (131072, 262144) for b in (1, 8, 64)]
+# the leaves timed per shape: name -> column
+LEAVES = {"all-gather": "all-gather µs", "exchange": "all-gather + merge µs",
+          "exchange sorted": "… merge sorted µs", "scored": "topk_scored µs",
+          "scored sorted": "… sorted µs", "indices": "topk_indices µs"}
 HIDDEN, Q_LORA_RANK, TOPK, BS, WORLD = 7168, 1536, 2048, 64, 2
 
 
@@ -98,25 +103,35 @@ def step_graph(cfg: dsa.IndexerConfig, batch: int, length: int, rank: int,
         meta = dsa.build_decode_metadata(cfg, live)
         return layer(hidden, q_latent, live.positions, meta).slots
 
+    torch._dynamo.reset()  # a fresh compile per shape, not a recompile
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     return graph_of(compiled), layer, live, hidden, q_latent
 
 
-def leaf_graphs(cfg: dsa.IndexerConfig, batch: int, group: dist.ProcessGroup):
-    """Graphs of (exchange + merge), topk_scored and topk_indices on one rank's logits."""
+def leaf_graphs(cfg: dsa.IndexerConfig, batch: int, group: dist.ProcessGroup
+                ) -> dict[str, tuple[torch.cuda.CUDAGraph, bool]]:
+    """Graphs (and whether they hold a collective) of the all-gather, the all-gather and
+    merge (set, sorted), and the top-k variants on one rank's logits."""
     width = -(-cfg.max_model_len // cfg.dcp_world)
     logits = torch.randn(batch, width, device="cuda")
     lens = torch.full((batch,), width, device="cuda", dtype=torch.int32)
     indices, scores = torch.ops.dsa.topk_scored(logits, lens, TOPK)
     pairs = torch.cat([scores.view(torch.int32), indices], dim=1)
 
-    def exchange():
+    def exchange(ordered: bool):
         gathered = all_gather(pairs, group)
-        return torch.ops.dsa.dcp_merge_topk(gathered[..., :TOPK].contiguous().view(
-            torch.float32), gathered[..., TOPK:].contiguous())
+        return torch.ops.dsa.dcp_merge_topk(gathered[..., :TOPK].view(torch.float32),
+                                            gathered[..., TOPK:], ordered)
 
-    return (graph_of(exchange), graph_of(lambda: torch.ops.dsa.topk_scored(logits, lens, TOPK)),
-            graph_of(lambda: torch.ops.dsa.topk_indices(logits, lens, TOPK)))
+    return {"all-gather": (graph_of(lambda: all_gather(pairs, group)), True),
+            "exchange": (graph_of(lambda: exchange(False)), True),
+            "exchange sorted": (graph_of(lambda: exchange(True)), True),
+            "scored": (graph_of(lambda: torch.ops.dsa.topk_scored(logits, lens, TOPK, False)),
+                       False),
+            "scored sorted": (graph_of(lambda: torch.ops.dsa.topk_scored(logits, lens, TOPK)),
+                              False),
+            "indices": (graph_of(lambda: torch.ops.dsa.topk_indices(logits, lens, TOPK)),
+                        False)}
 
 
 def bench_shape(rank: int, batch: int, length: int, group: dist.ProcessGroup) -> list[object]:
@@ -128,11 +143,10 @@ def bench_shape(rank: int, batch: int, length: int, group: dist.ProcessGroup) ->
     graph, *keep = step_graph(cfg, batch, length, rank, group)
     sharded = replay_us(graph, collective=True)
     del graph, keep
-    exchange, scored, plain = leaf_graphs(cfg, batch, group)
-    exchange_us = replay_us(exchange, collective=True)
-    scored_us = replay_us(scored, collective=False)
-    plain_us = replay_us(plain, collective=False)
-    del exchange, scored, plain
+    graphs = leaf_graphs(cfg, batch, group)
+    leaf_us = {name: replay_us(graph, collective=collective)
+               for name, (graph, collective) in graphs.items()}
+    del graphs
     torch.cuda.empty_cache()
     dist.barrier()
     whole = float("nan")
@@ -144,7 +158,7 @@ def bench_shape(rank: int, batch: int, length: int, group: dist.ProcessGroup) ->
         torch.cuda.empty_cache()
     dist.barrier()
     return [batch, length, f"{sharded:.0f}", f"{whole:.0f}", f"{whole / sharded:.2f}x",
-            f"{exchange_us:.1f}", f"{scored_us:.1f}", f"{plain_us:.1f}"]
+            *(f"{leaf_us[name]:.1f}" for name in LEAVES)]
 
 
 def worker(rank: int, store_path: str, shapes: list[tuple[int, int]], out: str | None,
@@ -155,7 +169,7 @@ def worker(rank: int, store_path: str, shapes: list[tuple[int, int]], out: str |
                             world_size=WORLD, timeout=datetime.timedelta(seconds=600))
     group = dist.group.WORLD
     header = ["B", "L (global)", "DCP step µs / rank", "1-GPU step µs", "speed-up",
-              "all-gather + merge µs", "topk_scored µs", "topk_indices µs"]
+              *LEAVES.values()]
     rows = []
     torch.manual_seed(rank)
     for batch, length in shapes:
@@ -175,7 +189,9 @@ def worker(rank: int, store_path: str, shapes: list[tuple[int, int]], out: str |
             notes=(f"one indexer layer, hidden {HIDDEN}, q_lora_rank {Q_LORA_RANK}, H=64, "
                    f"D=128, top-k {TOPK}, next_n 1, full contexts, bf16, logits backend "
                    "auto; each rank holds half of every context; CUDA-graph replay device "
-                   "time; topk_scored / topk_indices: one rank's logits (L / 2 columns)"),
+                   "time; the step's selection is a set (sorted=False); all-gather: the "
+                   "[B, 2k] int32 pairs; merge and topk_scored: as sets, then sorted (…); "
+                   "topk_scored / topk_indices: one rank's logits (L / 2 columns)"),
         )
         publish(text, out)
     dist.barrier()

@@ -4,12 +4,14 @@ Each rank scores its shard of every request's keys (interleave 1: global key ``c
 ``c % W``'s local key ``c // W``), takes its local top-k with scores
 (``dsa::topk_scored``), and the ranks all-gather their (score, global position) pairs in one
 collective; ``dsa::dcp_merge_topk`` picks the global top-k from the ``W * k`` candidates,
-identically on every rank. The result equals the top-k of the unsharded row under the same
-order (score descending, ties to the lower position).
+identically on every rank. The result is the top-k set of the unsharded row under the same
+order (score descending, ties to the lower position); sorted on request.
 
 The all-gather is a functional collective (``torch.ops._c10d_functional``): it traces under
 ``torch.compile(fullgraph=True)`` and, on NCCL, captures in a CUDA graph (run one step
 before capturing, so the communicator exists). Any backend works: NCCL on GPUs, gloo on CPU.
+NCCL keeps a communicator alive while any CUDA graph that captured one of its collectives
+exists: drop those graphs before ``destroy_process_group()``, which otherwise waits forever.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
 
 
 def dcp_topk(logits: Tensor, lengths: Tensor, k: int, group: dist.ProcessGroup, *,
-             world: int, rank: int, interleave: int = 1) -> tuple[Tensor, Tensor]:
+             world: int, rank: int, interleave: int = 1, sorted: bool = False
+             ) -> tuple[Tensor, Tensor]:
     """The exact top-k of every row across the ranks of ``group``.
 
     Args:
@@ -65,15 +68,17 @@ def dcp_topk(logits: Tensor, lengths: Tensor, k: int, group: dist.ProcessGroup, 
         k: keys per row.
         group: the DCP process group; ``world``, ``rank``, ``interleave``: the config's DCP
             triple, checked against it.
+        sorted: order each row (score descending, ties to the lower position); the
+            default leaves the order free (the same on every rank), which skips two sorts.
 
     Returns:
         ``(indices, scores)``, int32 and fp32 ``[rows, k]``, the same on every rank: the
-        global positions of the row's top-k keys, score descending, ties to the lower
-        position, then -1 (scores -inf).
+        global positions of the row's top-k keys (ties at the k-th score to the lower
+        positions), then -1 (scores -inf).
     """
     check_dcp_group("dcp_topk", group, world, rank, interleave)
-    local, scores = ops.topk_scored(logits, lengths, k)
+    local, scores = ops.topk_scored(logits, lengths, k, sorted)
     pairs = torch.cat([scores.view(torch.int32), global_positions(local, world, rank)], dim=1)
-    gathered = all_gather(pairs, group)
-    return ops.dcp_merge_topk(gathered[..., :k].contiguous().view(torch.float32),
-                              gathered[..., k:].contiguous())
+    gathered = all_gather(pairs, group)  # [W, rows, 2k], read in place by the merge
+    return ops.dcp_merge_topk(gathered[..., :k].view(torch.float32), gathered[..., k:],
+                              sorted)

@@ -36,9 +36,10 @@ class IndexerOutput:
             request's sequence (compressed states when R > 1); -1 in unused slots.
         slots: int32 ``[T, topk]`` the same keys as global K-cache slots; -1 where unused.
         global_indices: with a DCP group (decode), int32 ``[T, topk]`` the exact top-k of
-            the whole sequence as global positions, score descending, ties to the lower
-            position, the same on every rank; ``indices`` and ``slots`` then hold only the
-            keys this rank owns (-1 for the others). ``None`` otherwise.
+            the whole sequence as global positions (ties at the k-th score to the lower
+            positions; order inside a row free), the same on every rank; ``indices`` and
+            ``slots`` then hold only the keys this rank owns (-1 for the others). ``None``
+            otherwise.
     """
 
     indices: Tensor

@@ -92,6 +92,7 @@ def main() -> None:
             captured = step(batch, hidden, q_latent)
         graph.replay()
         assert torch.equal(captured.global_indices, out.global_indices)
+        del graph  # NCCL keeps its communicator while a graph holding its collective exists
 
     # Every rank holds the same global selection; the owned shares partition it.
     shares = [torch.empty_like(out.indices) for _ in range(world)]

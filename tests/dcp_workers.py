@@ -24,6 +24,7 @@ import dsa
 from dsa.distributed import NCCL_NO_MULTICAST, dcp_topk
 from dsa.graphs import pad_batch
 from dsa.ops.dcp import global_positions, local_share
+from tests import reference_compute as ref
 
 HIDDEN, Q_LORA_RANK = 32, 16
 
@@ -79,15 +80,20 @@ def random_rows(rng: torch.Generator, rows: int, n: int, k: int) -> tuple[torch.
 
 
 def check_sharded_rows(rank: int, world: int, logits: torch.Tensor, lengths: torch.Tensor,
-                       k: int, group: dist.ProcessGroup, topk: Callable = dcp_topk) -> None:
+                       k: int, group: dist.ProcessGroup, topk: Callable = dcp_topk,
+                       ordered: bool = False) -> None:
     """This rank's shard through ``topk`` equals topk_scored (the CPU face) over the whole
-    rows, position for position."""
+    rows: position for position when ``ordered``, else as sets."""
     local = logits[:, rank::world].contiguous()
     lens = local_share(lengths, world, rank, 1).int()
-    indices, scores = topk(local, lens, k, group, world=world, rank=rank)
+    indices, scores = topk(local, lens, k, group, world=world, rank=rank, sorted=ordered)
+    indices, scores = indices.cpu(), scores.cpu()
     want_indices, want_scores = torch.ops.dsa.topk_scored(logits.cpu(), lengths.cpu(), k)
-    assert torch.equal(indices.cpu(), want_indices), (indices, want_indices)
-    assert torch.equal(scores.cpu().view(torch.int32), want_scores.view(torch.int32))
+    if not ordered:
+        indices, scores = ref.in_position_order(indices, scores)
+        want_indices, want_scores = ref.in_position_order(want_indices, want_scores)
+    assert torch.equal(indices, want_indices), (indices, want_indices)
+    assert torch.equal(scores.view(torch.int32), want_scores.view(torch.int32))
 
 
 def op_worker(rank: int, world: int, store_path: str, backend: str, cases: int) -> None:
@@ -95,12 +101,13 @@ def op_worker(rank: int, world: int, store_path: str, backend: str, cases: int) 
     device = "cuda" if backend == "nccl" else "cpu"
     group = dist.group.WORLD
     rng = torch.Generator().manual_seed(1234)  # the same cases on every rank
-    for _ in range(cases):
+    for case in range(cases):
         rows = int(torch.randint(1, 6, (1,), generator=rng))
         n = int(torch.randint(0, 90, (1,), generator=rng))
         k = [1, 4, 16][int(torch.randint(3, (1,), generator=rng))]
         logits, lengths = random_rows(rng, rows, n, k)
-        check_sharded_rows(rank, world, logits.to(device), lengths.to(device), k, group)
+        check_sharded_rows(rank, world, logits.to(device), lengths.to(device), k, group,
+                           ordered=case % 2 == 1)
     logits, lengths = random_rows(rng, 4, 64, 8)
     compiled = torch.compile(dcp_topk, fullgraph=True, backend="aot_eager")
     check_sharded_rows(rank, world, logits.to(device), lengths.to(device), 8, group, compiled)
@@ -234,16 +241,21 @@ def step_fn(cfg: dsa.IndexerConfig, layer: dsa.Indexer) -> Callable:
 
 def check_step_outputs(rank: int, world: int, step: ShardedStep, out: dsa.IndexerOutput,
                        want: dsa.IndexerOutput) -> None:
-    """Every rank holds the single process's selection; the ranks' owned keys partition it,
-    as local indices whose slots are this rank's cache slots of those keys."""
-    assert torch.equal(out.global_indices.cpu(), want.global_indices.cpu())
+    """Every rank holds the single process's selection (as a set), in the same order on
+    every rank; the ranks' owned keys partition it, as local indices whose slots are this
+    rank's cache slots of those keys."""
+    selected = out.global_indices.cpu()
+    same = [torch.equal(selected, other) for other in dist_all_gather(out.global_indices)]
+    assert all(same), "ranks hold different selections"
+    canonical = lambda x: ref.in_position_order(x, x)[0]
+    assert torch.equal(canonical(selected), canonical(want.global_indices.cpu()))
     indices = out.indices.cpu()
     owned = dist_all_gather(global_positions(out.indices, world, rank))
     union = torch.full_like(indices, -1)
     for mine in owned:
         assert bool(((mine < 0) | (union < 0)).all()), "a key owned by two ranks"
         union = torch.where(mine >= 0, mine, union)
-    assert torch.equal(union, want.global_indices.cpu())
+    assert torch.equal(union, selected)
     requests = step.rank_batch.query_start_loc.cpu()
     token_req = torch.searchsorted(requests[1:], torch.arange(len(indices)), right=True)
     token_req = token_req.clamp(max=step.rank_slots.shape[0] - 1)
@@ -291,7 +303,9 @@ def gpu_worker(rank: int, world: int, store_path: str, compile_backend: str) -> 
     rng = torch.Generator().manual_seed(99)
     for rows, n, k in ((8, 2 * 32768, 2048), (64, 2 * 8192, 2048), (3, 5000, 2048)):
         logits, lengths = random_rows(rng, rows, n, k)
-        check_sharded_rows(rank, world, logits.cuda(), lengths.cuda(), k, group)
+        for ordered in (False, True):
+            check_sharded_rows(rank, world, logits.cuda(), lengths.cuda(), k, group,
+                               ordered=ordered)
     alone = self_groups(world)
     compile_step = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False,
                                             backend=compile_backend)
@@ -315,5 +329,8 @@ def gpu_worker(rank: int, world: int, store_path: str, compile_backend: str) -> 
                                            uncaptured.global_indices)):
                 assert torch.equal(got, expect), f"config {overrides}: replay != uncaptured"
         check_step_outputs(rank, world, step, out, want)
+    # NCCL keeps the communicator while a graph that captured its all-gather exists
+    del replay, out
+    torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()

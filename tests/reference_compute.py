@@ -324,6 +324,14 @@ def merge_topk(scores: np.ndarray, indices: np.ndarray) -> list[list[tuple[int, 
 # --- comparisons ------------------------------------------------------------------------------
 
 
+def in_position_order(indices: torch.Tensor, scores: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's (index, score) entries by index, -1 entries last: a top-k set whose
+    order inside a row is free (``sorted=False``) in one canonical order."""
+    order = torch.where(indices < 0, 2**31 - 1, indices).argsort(dim=-1, stable=True)
+    return indices.gather(-1, order), scores.gather(-1, order)
+
+
 def relative_error(x: np.ndarray, y: np.ndarray) -> float:
     """``1 - 2 sum(xy) / sum(x^2 + y^2)`` (0 when equal; scale-free)."""
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)

@@ -1,6 +1,7 @@
 """dsa::topk_scored and dsa::dcp_merge_topk (design §3, §11): every face against the loop
-reference, bit for bit (the order is total: score descending, ties to the lower position),
-and the merge of per-shard selections against the selection over the unsharded row."""
+reference, bit for bit (the order is total: score descending, ties to the lower position;
+with sorted=False the same set, compared in position order), and the merge of per-shard
+selections against the selection over the unsharded row."""
 
 from __future__ import annotations
 
@@ -43,21 +44,26 @@ def with_junk(gen: torch.Generator, x: torch.Tensor, lengths: torch.Tensor) -> t
 
 @st.composite
 def scored_cases(draw, max_rows=4, max_cols=300, ks=(1, 5, 16, 64)):
-    """(logits, lengths, k): lengths around 0, k and N, maybe shaped [B, 2]."""
+    """(logits, lengths, k, sorted): lengths around 0, k and N, maybe shaped [B, 2]."""
     rows, n, k, gen, lengths = draw(topk_rows(max_rows, max_cols, ks))
     logits = with_junk(gen, values(gen, rows, n, draw(st.sampled_from(KINDS))), lengths)
     if rows % 2 == 0 and draw(st.booleans()):
         lengths = lengths.view(rows // 2, 2)
-    return logits, lengths, k
+    return logits, lengths, k, draw(st.booleans())
 
 
 # Cases for the kernel faces: the interpreter is slow.
 KERNEL_SIZES = {"max_rows": 2, "max_cols": 120, "ks": (1, 5, 16)}
 
 
-def check_against(want: list[list[tuple[int, float]]], got: tuple[torch.Tensor, torch.Tensor]):
+def check_against(want: list[list[tuple[int, float]]], got: tuple[torch.Tensor, torch.Tensor],
+                  ordered: bool = True):
+    """``got`` equals the reference's rows ``want``; unless ``ordered``, as sets."""
     indices, scores = got
     assert indices.dtype == torch.int32 and scores.dtype == torch.float32
+    if not ordered:
+        indices, scores = ref.in_position_order(indices, scores)
+        want = [sorted(row, key=lambda entry: (entry[0] < 0, entry[0])) for row in want]
     want_indices = [[p for p, _ in row] for row in want]
     want_scores = np.array([[s for _, s in row] for row in want],
                            dtype=np.float32).reshape(scores.shape)
@@ -70,19 +76,21 @@ def check_against(want: list[list[tuple[int, float]]], got: tuple[torch.Tensor, 
     assert np.array_equal(got_scores.view(np.int32)[~nan], want_scores.view(np.int32)[~nan])
 
 
-def check_op(face: str, name: str, args: tuple, want: list[list[tuple[int, float]]]) -> tuple:
+def check_op(face: str, name: str, args: tuple, want: list[list[tuple[int, float]]],
+             ordered: bool = True) -> tuple:
     """Op ``name`` on ``args`` (its fresh outputs poisoned) against the loop reference's
-    ``want``; returns the outputs."""
+    ``want`` (as sets unless ``ordered``); returns the outputs."""
     with ref.poisoned_empty():
         got = run_op(face, name, *args)
-    check_against(want, got)
+    check_against(want, got, ordered)
     return got
 
 
-def topk_scored(face: str, case: tuple[torch.Tensor, torch.Tensor, int]) -> None:
-    """The face against the loop reference on ``case = (logits, lengths, k)``."""
-    logits, lengths, k = case
-    check_op(face, "topk_scored", case, ref.topk_scored(logits.numpy(), lengths.numpy(), k))
+def topk_scored(face: str, case: tuple[torch.Tensor, torch.Tensor, int, bool]) -> None:
+    """The face against the loop reference on ``case = (logits, lengths, k, sorted)``."""
+    logits, lengths, k, ordered = case
+    check_op(face, "topk_scored", case, ref.topk_scored(logits.numpy(), lengths.numpy(), k),
+             ordered)
 
 
 test_topk_scored_cpu, test_topk_scored_kernel = face_tests(
@@ -98,14 +106,15 @@ def test_topk_scored_example(face):
     assert torch.equal(scores, torch.tensor([[.9, .7, .5], [3, 1, -INF], [2, 2, 1]]))
 
 
+@pytest.mark.parametrize("ordered", [True, False])
 @pytest.mark.parametrize("face", FACE_NAMES)
-def test_topk_scored_takes_the_lowest_equal_positions(face):
+def test_topk_scored_takes_the_lowest_equal_positions(face, ordered):
     """The k-th largest key is shared by many columns: the set takes the first ones."""
     n, k = 600, 40
     logits = torch.zeros(2, n)
     logits[0, 500:510] = 1.0  # 10 above the tie, 30 of 590 equal ones from column 0
     logits[1, ::7] = -1.0
-    topk_scored(face, (logits, i32([n, n - 3]), k))
+    topk_scored(face, (logits, i32([n, n - 3]), k, ordered))
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
@@ -124,22 +133,23 @@ def test_topk_scored_kernel_blocks():
     gen = torch.Generator().manual_seed(5)
     logits = values(gen, 2, 300, "ties")
     lengths = i32([300, 250])
-    got = launch_topk_scored(logits, lengths, 16, block=32)
-    check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), 16), got)
+    for ordered in (True, False):
+        got = launch_topk_scored(logits, lengths, 16, ordered, block=32)
+        check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), 16), got, ordered)
 
 
 # --- merge ---------------------------------------------------------------------------------
 
 
 def shard_selections(face: str, logits: torch.Tensor, lengths: torch.Tensor, k: int,
-                     world: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     world: int, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``[W, T, k]`` scores and global positions: each rank's topk_scored over its shard
     (global column c is rank c % W's local column c // W)."""
     scores, positions = [], []
     for rank in range(world):
         local = logits[:, rank::world].contiguous()
         lens = local_share(lengths.view(-1), world, rank, 1).to(torch.int32)
-        idx, sc = run_op(face, "topk_scored", local, lens, k)
+        idx, sc = run_op(face, "topk_scored", local, lens, k, ordered)
         scores.append(sc)
         positions.append(global_positions(idx, world, rank))
     return torch.stack(scores), torch.stack(positions)
@@ -147,20 +157,23 @@ def shard_selections(face: str, logits: torch.Tensor, lengths: torch.Tensor, k: 
 
 @st.composite
 def merge_cases(draw, **kwargs):
-    logits, lengths, k = draw(scored_cases(**kwargs))
+    logits, lengths, k, ordered = draw(scored_cases(**kwargs))
     # shards see clean columns: junk past the length stays junk in every shard
-    return logits.contiguous(), lengths.reshape(-1), k, draw(st.integers(1, 4))
+    return logits.contiguous(), lengths.reshape(-1), k, draw(st.integers(1, 4)), ordered
 
 
-def merge(face: str, case: tuple[torch.Tensor, torch.Tensor, int, int]) -> None:
-    """The merge of ``world`` shards' selections of ``case = (logits, lengths, k, world)``
-    against the loop reference."""
-    logits, lengths, k, world = case
+def merge(face: str, case: tuple[torch.Tensor, torch.Tensor, int, int, bool]) -> None:
+    """The merge of ``world`` shards' selections of ``case = (logits, lengths, k, world,
+    sorted)`` against the loop reference; unsorted, the shards' selections are reversed
+    (any candidate order will do)."""
+    logits, lengths, k, world, ordered = case
     scores, positions = shard_selections("cpu", logits, lengths, k, world)
-    got = check_op(face, "dcp_merge_topk", (scores, positions),
-                   ref.merge_topk(scores.numpy(), positions.numpy()))
+    if not ordered:
+        scores, positions = scores.flip(-1).contiguous(), positions.flip(-1).contiguous()
+    got = check_op(face, "dcp_merge_topk", (scores, positions, ordered),
+                   ref.merge_topk(scores.numpy(), positions.numpy()), ordered)
     # exact: the merge of the shards' selections is the selection over the whole row
-    check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), got)
+    check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), got, ordered)
 
 
 test_merge_cpu, test_merge_kernel = face_tests(
@@ -176,8 +189,9 @@ def test_merge_example(face):
     assert torch.equal(merged, torch.tensor([[.9, .9, .7]]))
 
 
+@pytest.mark.parametrize("ordered", [True, False])
 @pytest.mark.parametrize("face", FACE_NAMES)
-def test_merge_takes_any_candidate_order(face):
+def test_merge_takes_any_candidate_order(face, ordered):
     """Candidates need not be sorted; -1 entries are no candidates, wherever they are."""
     gen = torch.Generator().manual_seed(7)
     scores = torch.randint(-2, 3, (3, 4, 6), generator=gen).float()
@@ -185,17 +199,49 @@ def test_merge_takes_any_candidate_order(face):
     positions[0, 1] = -1
     positions[:, 2, ::2] = -1
     positions[:, 3] = -1
-    got = check_op(face, "dcp_merge_topk", (scores, positions),
-                   ref.merge_topk(scores.numpy(), positions.numpy()))
+    got = check_op(face, "dcp_merge_topk", (scores, positions, ordered),
+                   ref.merge_topk(scores.numpy(), positions.numpy()), ordered)
     assert got[0][3].tolist() == [-1] * 6
 
 
+@pytest.mark.parametrize("ordered", [True, False])
 @pytest.mark.parametrize("face", FACE_NAMES)
-def test_merge_empty(face):
+def test_merge_ties_take_the_lowest_positions(face, ordered):
+    """More candidates share the k-th largest score than slots are left: the lowest
+    positions win, whatever rank and column they come in."""
+    gen = torch.Generator().manual_seed(9)
+    scores = torch.full((3, 2, 8), 0.5)
+    scores[1, :, 5] = 2.0  # one key above the tie per token
+    positions = torch.randperm(48, generator=gen).view(3, 2, 8).int()
+    got = check_op(face, "dcp_merge_topk", (scores, positions, ordered),
+                   ref.merge_topk(scores.numpy(), positions.numpy()), ordered)
+    for token in range(2):
+        equal = positions[:, token][scores[:, token] == 0.5].sort().values[:7]
+        assert set(got[0][token].tolist()) == {int(positions[1, token, 5]), *equal.tolist()}
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_merge_reads_the_gathered_pairs_in_place(face, ordered):
+    """Scores and positions as views of the all-gathered ``[W, T, 2k]`` pairs (row stride
+    2k): no copy needed."""
+    gen = torch.Generator().manual_seed(8)
+    logits, lengths, k = values(gen, 3, 90, "ties"), i32([90, 41, 3]), 16
+    scores, positions = shard_selections("cpu", logits, lengths, k, 2)
+    pairs = torch.cat([scores.view(torch.int32), positions], dim=-1)
+    got = check_op(face, "dcp_merge_topk", (pairs[..., :k].view(torch.float32),
+                                            pairs[..., k:], ordered),
+                   ref.merge_topk(scores.numpy(), positions.numpy()), ordered)
+    check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), got, ordered)
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_merge_empty(face, ordered):
     assert run_op(face, "dcp_merge_topk", torch.zeros(2, 0, 3), torch.zeros(2, 0, 3,
-                  dtype=torch.int32))[0].shape == (0, 3)
+                  dtype=torch.int32), ordered)[0].shape == (0, 3)
     indices, scores = run_op(face, "dcp_merge_topk", torch.zeros(0, 2, 3),
-                             torch.zeros(0, 2, 3, dtype=torch.int32))
+                             torch.zeros(0, 2, 3, dtype=torch.int32), ordered)
     assert indices.tolist() == [[-1] * 3] * 2 and scores.tolist() == [[-INF] * 3] * 2
 
 
@@ -221,9 +267,11 @@ def _cases():
     logits = with_junk(gen, values(gen, 4, 300, "ties"), lengths)
     scores, positions = shard_selections("cpu", logits.contiguous(), lengths, 16, 2)
     return [("topk_scored", (logits, lengths, 16)),
+            ("topk_scored", (logits, lengths, 16, False)),
             ("topk_scored", (logits, lengths.view(2, 2), 64)),
             ("topk_scored", (torch.zeros(0, 8), i32([]), 4)),
             ("dcp_merge_topk", (scores, positions)),
+            ("dcp_merge_topk", (scores, positions, False)),
             ("dcp_merge_topk", (scores[:, :0].contiguous(), positions[:, :0].contiguous()))]
 
 
@@ -242,6 +290,11 @@ test_validation = validation_test([
     ("dcp_merge_topk", (S, P.long()), TypeError, "`indices` must be torch.int32"),
     ("dcp_merge_topk", (S, P[:, :2].contiguous()), ValueError, "`indices` must have the shape of"),
     ("dcp_merge_topk", (S[..., :0], P[..., :0]), ValueError, "k >= 1 candidates"),
-    ("dcp_merge_topk", (S.transpose(0, 1), P), ValueError, "`scores` must be contiguous"),
+    ("dcp_merge_topk", (S.transpose(1, 2), P.transpose(1, 2)), ValueError,
+     "`scores` must have unit stride in dimension 2"),
+    ("dcp_merge_topk", (S, P.transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
+     "`indices` must have unit stride in dimension 2"),
+    ("dcp_merge_topk", (torch.zeros(9, 1, 4096), torch.zeros(9, 1, 4096, dtype=torch.int32),
+                        False), ValueError, "W \\* k must be <= 32768"),
 ])
 

@@ -5,21 +5,31 @@ The order: a higher score first, ties to the lower position. Scores compare as t
 order-preserving int32 keys (the float order, with -0 < +0, +NaN above +inf and -NaN below
 -inf), so every face ranks every bit pattern the same way.
 
-- ``topk_scored(logits, lengths, k)``: row ``r`` is valid on columns ``[0, min(max(
-  lengths[r], 0), N))``; the output holds the ``min(k, valid)`` first valid columns in the
-  order and their logits, then -1 and -inf. Columns past the length are never selected.
-- ``dcp_merge_topk(scores, indices)``: ``[W, T, k]`` candidates (an index < 0 is no
-  candidate) -> the first k per token in the same order, as ``[T, k]`` indices and scores,
-  -1 / -inf padded. With each rank's ``topk_scored`` over its shard, in global positions,
-  this is the top-k of the unsharded row (a global winner also wins within its shard).
+- ``topk_scored(logits, lengths, k, sorted=True)``: row ``r`` is valid on columns
+  ``[0, min(max(lengths[r], 0), N))``; the output holds the ``min(k, valid)`` first valid
+  columns in the order and their logits, then -1 and -inf. Columns past the length are
+  never selected.
+- ``dcp_merge_topk(scores, indices, sorted=True)``: ``[W, T, k]`` candidates (an index < 0
+  is no candidate; the last dimension contiguous) -> the first k per token in the same
+  order, as ``[T, k]`` indices and scores, -1 / -inf padded. With each rank's
+  ``topk_scored`` over its shard, in global positions, this is the top-k of the unsharded
+  row (a global winner also wins within its shard).
+
+``sorted=False`` selects the same set (the tie rule included) and leaves its order inside a
+row free, as ``topk_indices`` does; each face's order is deterministic. The CUDA faces then
+skip the sort, which costs more than the selection (the exact cross-rank top-k needs the
+set only). The CPU faces always sort.
 
 CUDA faces: ``topk_scored`` takes an exact top-(k + 1) set from ``topk_indices``' kernels;
-with m its smallest key (the (k + 1)-th largest of the row), its keys above m are sorted;
-only when they are fewer than k (m is also the k-th largest: a tie at the threshold) one
-pass over the row, up to the last column of m in the set, fills the remaining slots with
-the lowest columns holding m. ``dcp_merge_topk``
-sorts each token's ``W * k`` candidates in one program. Both sort on one int64 per entry:
-the key in the high half, ``2**31 - 1 - position`` in the low half.
+with m its smallest key (the (k + 1)-th largest of the row), its keys above m are kept
+(sorted on request); only when they are fewer than k (m is also the k-th largest: a tie at
+the threshold) one pass over the row, up to the last column of m in the set, fills the
+remaining slots with the lowest columns holding m. ``dcp_merge_topk`` takes one program per
+token: sorted, its ``W * k`` candidates sorted; else the k-th largest key is searched
+(``kth_search``), the larger keys are taken, and of the equal ones those of the lowest
+positions (a second search, on the positions, only when there are more than needed). The
+sorts are on one int64 per entry: the key in the high half, ``2**31 - 1 - position`` in
+the low half.
 """
 
 from __future__ import annotations
@@ -32,8 +42,25 @@ from torch import Tensor
 from dsa.ops._checks import INDEX_DTYPES, check_int, check_tensor
 from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
-from dsa.ops.topk.indices import flip_order, launch_topk, order_keys
-from dsa.ops.topk.select import INT_MAX, key_value, order_key
+from dsa.ops.topk.indices import (
+    MAX_SELECT_CAP,
+    SEARCHES,
+    TUNING,
+    choose_select_cap,
+    flip_order,
+    launch_topk,
+    order_keys,
+)
+from dsa.ops.topk.select import (
+    INT_MAX,
+    INT_MIN,
+    key_value,
+    kth_search,
+    order_key,
+    scatter,
+    slots,
+    tile,
+)
 
 MAX_POSITION = 2**31 - 1
 NO_ENTRY = -(2**63)  # sorts after every entry
@@ -72,7 +99,8 @@ def _first_k(entries: Tensor, k: int, indices: Tensor, scores: Tensor) -> tuple[
 
 
 @dsa_op("topk_scored")
-def _topk_scored_out(logits: Tensor, lengths: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def _topk_scored_out(logits: Tensor, lengths: Tensor, k: int, sorted: bool = True
+                     ) -> tuple[Tensor, Tensor]:
     op = "topk_scored"
     _check_logits(op, logits)
     check_tensor(op, "lengths", lengths, dtype=INDEX_DTYPES, contiguous=True, like=logits)
@@ -86,8 +114,9 @@ def _topk_scored_out(logits: Tensor, lengths: Tensor, k: int) -> tuple[Tensor, T
 
 
 @_topk_scored_out.cpu
-def _topk_scored_cpu(logits: Tensor, lengths: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    indices, scores = _topk_scored_out(logits, lengths, k)
+def _topk_scored_cpu(logits: Tensor, lengths: Tensor, k: int, sorted: bool = True
+                     ) -> tuple[Tensor, Tensor]:
+    indices, scores = _topk_scored_out(logits, lengths, k, sorted)
     rows, n = logits.shape
     cols = torch.arange(n)
     valid = cols < lengths.long().view(rows, 1).clamp(min=0)
@@ -97,11 +126,12 @@ def _topk_scored_cpu(logits: Tensor, lengths: Tensor, k: int) -> tuple[Tensor, T
 
 @triton.jit
 def _topk_scored_kernel(logits_ptr, stride_row, sel_ptr, idx_ptr, score_ptr, k,
-                        KP: tl.constexpr, BLOCK: tl.constexpr):
+                        KP: tl.constexpr, BLOCK: tl.constexpr, SORTED: tl.constexpr):
     """Program per row: ``sel`` holds an exact top-(k + 1) set (ties free), its last entry
-    apart. With m the smallest of its keys, the keys above m are written sorted; when they
-    are fewer than k, the k-th largest key is m and the remaining slots take the lowest
-    columns holding m, found by one pass up to the last such column of the set."""
+    apart. With m the smallest of its keys, the keys above m are written (sorted when
+    SORTED, else in the set's order); when they are fewer than k, the k-th largest key is m
+    and the remaining slots take the lowest columns holding m, found by one pass up to the
+    last such column of the set."""
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     sel_row = sel_ptr + row.to(tl.int64) * (k + 1)
@@ -124,14 +154,19 @@ def _topk_scored_kernel(logits_ptr, stride_row, sel_ptr, idx_ptr, score_ptr, k,
     above = taken & ((key > m) | (extra < 0))
     n_above = tl.sum(above.to(tl.int32))
     count = tl.where(full, k, tl.sum(taken.to(tl.int32)))
-    entry = tl.where(above, (key.to(tl.int64) << 32) | (2147483647 - idx).to(tl.int64),
-                     -9223372036854775808)
-    entry = tl.sort(entry, descending=True)
-    first = (entry >> 32).to(tl.int32)
-    score = key_value(first)
-    tl.store(idx_ptr + out + j, (2147483647 - (entry & 0xFFFFFFFF)).to(tl.int32),
-             mask=j < n_above)
-    tl.store(score_ptr + out + j, score, mask=j < n_above)
+    if SORTED:
+        entry = tl.where(above, (key.to(tl.int64) << 32) | (2147483647 - idx).to(tl.int64),
+                         -9223372036854775808)
+        entry = tl.sort(entry, descending=True)
+        tl.store(idx_ptr + out + j, (2147483647 - (entry & 0xFFFFFFFF)).to(tl.int32),
+                 mask=j < n_above)
+        tl.store(score_ptr + out + j, key_value((entry >> 32).to(tl.int32)),
+                 mask=j < n_above)
+    else:
+        flags = above.to(tl.int32)
+        at = tl.cumsum(flags, 0) - flags
+        tl.store(idx_ptr + out + at, idx, mask=flags > 0)
+        tl.store(score_ptr + out + at, key_value(key), mask=flags > 0)
     pad = (j >= count) & (j < k)
     tl.store(idx_ptr + out + j, tl.full([KP], -1, tl.int32), mask=pad)
     tl.store(score_ptr + out + j, tl.full([KP], float("-inf"), tl.float32), mask=pad)
@@ -153,51 +188,63 @@ def _topk_scored_kernel(logits_ptr, stride_row, sel_ptr, idx_ptr, score_ptr, k,
         seen += tl.sum(flags)
 
 
-def launch_topk_scored(logits: Tensor, lengths: Tensor, k: int, *, indices: Tensor | None = None,
-                       scores: Tensor | None = None, block: int = 1024) -> tuple[Tensor, Tensor]:
+def launch_topk_scored(logits: Tensor, lengths: Tensor, k: int, sorted: bool = True, *,
+                       indices: Tensor | None = None, scores: Tensor | None = None,
+                       block: int = 1024) -> tuple[Tensor, Tensor]:
     """Runs the Triton ``topk_scored`` (arguments already validated) into ``indices`` and
     ``scores`` and returns them. block: columns per step of the pass over equal keys."""
-    rows = logits.shape[0]
+    rows, n_cols = logits.shape
     if indices is None:
         indices = logits.new_empty((rows, k), dtype=torch.int32)
     if scores is None:
         scores = logits.new_empty((rows, k), dtype=torch.float32)
     if rows == 0:
         return indices, scores
-    selected = launch_topk(logits, lengths, k + 1)
+    # the candidates' room as for k (k + 1 would double it at k = 2048, a slower select)
+    selected = launch_topk(logits, lengths, k + 1,
+                           select_cap=choose_select_cap(n_cols, k, row_cols=TUNING.row_cols))
     launch(_topk_scored_kernel, (rows,), logits, logits.stride(0), selected, indices, scores, k,
-           KP=triton.next_power_of_2(k), BLOCK=block, num_warps=8)
+           KP=triton.next_power_of_2(k), BLOCK=block, SORTED=sorted, num_warps=8)
     return indices, scores
 
 
 @_topk_scored_out.triton
-def _topk_scored_cuda(logits: Tensor, lengths: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    indices, scores = _topk_scored_out(logits, lengths, k)
-    return launch_topk_scored(logits, lengths, k, indices=indices, scores=scores)
+def _topk_scored_cuda(logits: Tensor, lengths: Tensor, k: int, sorted: bool = True
+                      ) -> tuple[Tensor, Tensor]:
+    indices, scores = _topk_scored_out(logits, lengths, k, sorted)
+    return launch_topk_scored(logits, lengths, k, sorted, indices=indices, scores=scores)
 
 
 # --- dcp_merge_topk ----------------------------------------------------------------------
 
 
 @dsa_op("dcp_merge_topk")
-def _dcp_merge_out(scores: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
+def _dcp_merge_out(scores: Tensor, indices: Tensor, sorted: bool = True
+                   ) -> tuple[Tensor, Tensor]:
     op = "dcp_merge_topk"
-    check_tensor(op, "scores", scores, dtype=torch.float32, ndim=3, contiguous=True)
-    check_tensor(op, "indices", indices, dtype=INDEX_DTYPES, ndim=3, contiguous=True,
-                 like=scores)
+    check_tensor(op, "scores", scores, dtype=torch.float32, ndim=3)
+    check_tensor(op, "indices", indices, dtype=INDEX_DTYPES, ndim=3, like=scores)
     if indices.shape != scores.shape:
         raise ValueError(f"dsa.{op}: `indices` must have the shape of `scores` "
                          f"{tuple(scores.shape)} ([W, T, k]), got {tuple(indices.shape)}")
-    _, tokens, k = scores.shape
+    world, tokens, k = scores.shape
     if k < 1:
         raise ValueError(f"dsa.{op}: `scores` must have k >= 1 candidates per rank and token "
                          f"(dimension 2), got shape {tuple(scores.shape)}")
+    for name, t in (("scores", scores), ("indices", indices)):
+        if k > 1 and t.stride(2) != 1:
+            raise ValueError(f"dsa.{op}: `{name}` must have unit stride in dimension 2, got "
+                             f"strides {t.stride()}")
+    if not sorted and world * k > MAX_SELECT_CAP:
+        raise ValueError(f"dsa.{op}: with sorted=False, W * k must be <= {MAX_SELECT_CAP} "
+                         f"candidates per token, got {world} * {k}")
     return (indices.new_empty((tokens, k)), scores.new_empty((tokens, k)))
 
 
 @_dcp_merge_out.cpu
-def _dcp_merge_cpu(scores: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
-    out_indices, out_scores = _dcp_merge_out(scores, indices)
+def _dcp_merge_cpu(scores: Tensor, indices: Tensor, sorted: bool = True
+                   ) -> tuple[Tensor, Tensor]:
+    out_indices, out_scores = _dcp_merge_out(scores, indices, sorted)
     world, tokens, k = scores.shape
     keys = order_keys(scores).permute(1, 0, 2).reshape(tokens, world * k)
     positions = indices.permute(1, 0, 2).reshape(tokens, world * k)
@@ -205,37 +252,103 @@ def _dcp_merge_cpu(scores: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @triton.jit
-def _dcp_merge_kernel(score_ptr, idx_ptr, out_idx_ptr, out_score_ptr, tokens, k,
-                      WORLD: tl.constexpr, NP: tl.constexpr):
-    """Program per token: its ``WORLD * k`` candidates sorted, the first k written."""
-    token = tl.program_id(0)
-    e = tl.arange(0, NP)
-    member = e < WORLD * k
-    src = (e // k).to(tl.int64) * tokens * k + token.to(tl.int64) * k + e % k
-    pos = tl.load(idx_ptr + src, mask=member, other=-1)
-    key = order_key(tl.load(score_ptr + src, mask=member, other=0.0))
+def _candidates(score_ptr, idx_ptr, token, s_rank, s_token, i_rank, i_token, k, n, e):
+    """Candidates ``e`` (rank-major: ``e // k`` the rank) of a token: (position, key, real);
+    keys of no candidate are INT_MIN."""
+    rank = (e // k).to(tl.int64)
+    col = e % k
+    member = e < n
+    pos = tl.load(idx_ptr + rank * i_rank + token * i_token + col, mask=member, other=-1)
     real = member & (pos >= 0)
+    score = tl.load(score_ptr + rank * s_rank + token * s_token + col, mask=real, other=0.0)
+    return pos, tl.where(real, order_key(score), INT_MIN), real
+
+
+@triton.jit
+def _dcp_merge_kernel(score_ptr, idx_ptr, out_idx_ptr, out_score_ptr, s_rank, s_token,
+                      i_rank, i_token, k, n, NP: tl.constexpr):
+    """Program per token: its ``n = W * k`` candidates sorted, the first k written."""
+    token = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, NP)
+    pos, key, real = _candidates(score_ptr, idx_ptr, token, s_rank, s_token, i_rank, i_token,
+                                 k, n, e)
     count = tl.sum(real.to(tl.int32))
     entry = tl.where(real, (key.to(tl.int64) << 32) | (2147483647 - pos).to(tl.int64),
                      -9223372036854775808)
     entry = tl.sort(entry, descending=True)
     first = (entry >> 32).to(tl.int32)
     taken = e < count
-    out = token.to(tl.int64) * k + e
+    out = token * k + e
     tl.store(out_idx_ptr + out,
              tl.where(taken, (2147483647 - (entry & 0xFFFFFFFF)).to(tl.int32), -1), mask=e < k)
     tl.store(out_score_ptr + out,
              tl.where(taken, key_value(first), float("-inf")), mask=e < k)
 
 
-@_dcp_merge_out.triton
-def _dcp_merge_cuda(scores: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
-    out_indices, out_scores = _dcp_merge_out(scores, indices)
+@triton.jit
+def _dcp_select_kernel(score_ptr, idx_ptr, out_idx_ptr, out_score_ptr, s_rank, s_token,
+                       i_rank, i_token, k, n, NP: tl.constexpr, C: tl.constexpr,
+                       KP: tl.constexpr, RADIX: tl.constexpr, PIVOTS: tl.constexpr):
+    """Program per token, unsorted: of its ``n = W * k`` candidates (an ``[NP // C, C]``
+    tile) the keys above the k-th largest and, of the equal ones, the lowest positions."""
+    token = tl.program_id(0).to(tl.int64)
+    pos, key, take = _candidates(score_ptr, idx_ptr, token, s_rank, s_token, i_rank,
+                                 i_token, k, n, tile(NP // C, C))
+    count = tl.sum(take.to(tl.int32))
+    if count > k:
+        t, _ = kth_search(key, take, count, k, k, RADIX, PIVOTS)
+        above = take & (key > t)
+        equal = take & (key == t)
+        need = k - tl.sum(above.to(tl.int32))
+        n_equal = tl.sum(equal.to(tl.int32))
+        if n_equal > need:  # a tie at the k-th key: the lowest positions
+            lowest = tl.where(equal, -pos, INT_MIN)
+            p, _ = kth_search(lowest, equal, n_equal, need, need, RADIX, PIVOTS)
+            equal = equal & (lowest >= p)
+        take = above | equal
+    at, total = slots(take.to(tl.int32))
+    write = take & (at < k)
+    out = token * k
+    scatter(out_idx_ptr + out + at, pos, write, NP)
+    scatter(out_score_ptr + out + at, key_value(key), write, NP)
+    j = tl.arange(0, KP)
+    pad = (j >= total) & (j < k)
+    tl.store(out_idx_ptr + out + j, tl.full([KP], -1, tl.int32), mask=pad)
+    tl.store(out_score_ptr + out + j, tl.full([KP], float("-inf"), tl.float32), mask=pad)
+
+
+def launch_dcp_merge(scores: Tensor, indices: Tensor, sorted: bool = True, *,
+                     out_indices: Tensor | None = None, out_scores: Tensor | None = None,
+                     search: str = TUNING.search) -> tuple[Tensor, Tensor]:
+    """Runs the Triton ``dcp_merge_topk`` (arguments already validated) into ``out_indices``
+    and ``out_scores`` and returns them. search: the unsorted merge's search
+    (``Tuning.search``)."""
     world, tokens, k = scores.shape
-    if tokens and world:
-        launch(_dcp_merge_kernel, (tokens,), scores, indices, out_indices, out_scores, tokens,
-               k, WORLD=world, NP=triton.next_power_of_2(world * k), num_warps=8)
-    else:
+    if out_indices is None:
+        out_indices = indices.new_empty((tokens, k))
+    if out_scores is None:
+        out_scores = scores.new_empty((tokens, k))
+    if tokens == 0 or world == 0:
         out_indices.fill_(-1)
         out_scores.fill_(float("-inf"))
+        return out_indices, out_scores
+    strides = (*scores.stride()[:2], *indices.stride()[:2])
+    n = world * k
+    np_ = triton.next_power_of_2(n)
+    if sorted:
+        launch(_dcp_merge_kernel, (tokens,), scores, indices, out_indices, out_scores,
+               *strides, k, n, NP=np_, num_warps=8)
+    else:
+        radix, pivots = SEARCHES[search]
+        launch(_dcp_select_kernel, (tokens,), scores, indices, out_indices, out_scores,
+               *strides, k, n, NP=np_, C=min(np_, 256), KP=triton.next_power_of_2(k),
+               RADIX=radix, PIVOTS=pivots, num_warps=8)
     return out_indices, out_scores
+
+
+@_dcp_merge_out.triton
+def _dcp_merge_cuda(scores: Tensor, indices: Tensor, sorted: bool = True
+                    ) -> tuple[Tensor, Tensor]:
+    out_indices, out_scores = _dcp_merge_out(scores, indices, sorted)
+    return launch_dcp_merge(scores, indices, sorted, out_indices=out_indices,
+                            out_scores=out_scores)
