@@ -50,9 +50,9 @@ JUNK = (float("nan"), float("inf"), -float("inf"), 3.0e38, 1.0e30)
 # name -> TUNING fields replaced (launch_topk keyword arguments)
 VARIANTS: dict[str, dict] = {
     "default": {},
-    "warps4": dict(num_warps=4),
+    "warps8": dict(num_warps=8),
     "programs512": dict(target_programs=512),
-    "programs512+warps4": dict(target_programs=512, num_warps=4),
+    "programs512+warps8": dict(target_programs=512, num_warps=8),
     "groups1024": dict(sample_groups=1024),
     "margin3": dict(margin=3.0),
     "block2048": dict(block=2048),

@@ -357,7 +357,7 @@ class Tuning:
     sample_groups: int = 512  # H200: 28.5 µs vs 31.0 at 64x64K (bench_topk_sweep)
     sample_width: int = 4
     margin: float = 4.0
-    num_warps: int = 8
+    num_warps: int = 4  # H200: 27.0 µs vs 28.5 at 64x64K, 28.6 vs 30.5 at 128x32K (8 warps)
     target_programs: int = 256
     min_part_cols: int = 4096
     max_parts: int = 16
