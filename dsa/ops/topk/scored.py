@@ -163,10 +163,10 @@ def _topk_scored_kernel(logits_ptr, stride_row, sel_ptr, idx_ptr, score_ptr, k,
         tl.store(score_ptr + out + j, key_value((entry >> 32).to(tl.int32)),
                  mask=j < n_above)
     else:
-        kept = above.to(tl.int32)
-        at = tl.cumsum(kept, 0) - kept
-        tl.store(idx_ptr + out + at, idx, mask=kept > 0)
-        tl.store(score_ptr + out + at, key_value(key), mask=kept > 0)
+        ones = above.to(tl.int32)
+        at = tl.cumsum(ones, 0) - ones
+        tl.store(idx_ptr + out + at, idx, mask=ones > 0)
+        tl.store(score_ptr + out + at, key_value(key), mask=ones > 0)
     pad = (j >= count) & (j < k)
     tl.store(idx_ptr + out + j, tl.full([KP], -1, tl.int32), mask=pad)
     tl.store(score_ptr + out + j, tl.full([KP], float("-inf"), tl.float32), mask=pad)
