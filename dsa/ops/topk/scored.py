@@ -259,8 +259,8 @@ def _candidates(score_ptr, idx_ptr, token, s_rank, s_token, i_rank, i_token, k, 
     col = e % k
     member = e < n
     pos = tl.load(idx_ptr + rank * i_rank + token * i_token + col, mask=member, other=-1)
+    score = tl.load(score_ptr + rank * s_rank + token * s_token + col, mask=member, other=0.0)
     real = member & (pos >= 0)
-    score = tl.load(score_ptr + rank * s_rank + token * s_token + col, mask=real, other=0.0)
     return pos, tl.where(real, order_key(score), INT_MIN), real
 
 
@@ -319,10 +319,11 @@ def _dcp_select_kernel(score_ptr, idx_ptr, out_idx_ptr, out_score_ptr, s_rank, s
 
 def launch_dcp_merge(scores: Tensor, indices: Tensor, sorted: bool = True, *,
                      out_indices: Tensor | None = None, out_scores: Tensor | None = None,
-                     search: str = TUNING.search) -> tuple[Tensor, Tensor]:
+                     search: str = TUNING.search, num_warps: int = 8
+                     ) -> tuple[Tensor, Tensor]:
     """Runs the Triton ``dcp_merge_topk`` (arguments already validated) into ``out_indices``
     and ``out_scores`` and returns them. search: the unsorted merge's search
-    (``Tuning.search``)."""
+    (``Tuning.search``); num_warps: the unsorted merge's."""
     world, tokens, k = scores.shape
     if out_indices is None:
         out_indices = indices.new_empty((tokens, k))
@@ -341,8 +342,8 @@ def launch_dcp_merge(scores: Tensor, indices: Tensor, sorted: bool = True, *,
     else:
         radix, pivots = SEARCHES[search]
         launch(_dcp_select_kernel, (tokens,), scores, indices, out_indices, out_scores,
-               *strides, k, n, NP=np_, C=min(np_, 256), KP=triton.next_power_of_2(k),
-               RADIX=radix, PIVOTS=pivots, num_warps=8)
+               *strides, k, n, NP=np_, C=min(np_, 32 * num_warps),
+               KP=triton.next_power_of_2(k), RADIX=radix, PIVOTS=pivots, num_warps=num_warps)
     return out_indices, out_scores
 
 
