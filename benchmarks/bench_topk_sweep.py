@@ -200,9 +200,13 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,...",
                         help="an extra variant, e.g. 'w4:num_warps=4,block=2048' or "
                         "'r:search=radix'")
+    parser.add_argument("--shapes", help="ROWSxL,... instead of "
+                        + ",".join(f"{rows}x{n}" for rows, n in SHAPES))
     parser.add_argument("--out", help="append the report to this markdown file "
                         "(e.g. BENCHMARKS.md)")
     args = parser.parse_args()
+    if args.shapes:
+        SHAPES[:] = [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]
     names = list(QUICK if args.quick else OVERFLOW if args.overflow else VARIANTS)
     for spec in args.variant:
         name, _, pairs = spec.partition(":")
@@ -237,7 +241,9 @@ def main() -> None:
          *(f"{rows}x{n} {mode}" for rows, n in SHAPES for mode in ("warm", "flushed"))],
         variants)
     command = "python benchmarks/bench_topk_sweep.py" + (" --quick" if args.quick else "") \
-        + (" --overflow" if args.overflow else "")
+        + (" --overflow" if args.overflow else "") \
+        + (f" --shapes {args.shapes}" if args.shapes else "") \
+        + "".join(f" --variant {spec}" for spec in args.variant)
     publish(report("Top-k: topk_indices, topk_indices_and_slots, masked torch.topk",
                    markdown_table(header, table) + "\n\nVariants (fused op, fp32, all "
                    "lengths; warm / flushed µs):\n\n" + variant_table, notes, command=command),
