@@ -9,8 +9,9 @@ GPU holding the whole context (``topk_indices``), (c) the exchange and merge alo
 all-gather of [B, 2k] (score, position) pairs and the merge), (d) ``topk_scored`` and
 ``topk_indices`` on one rank's logits. Every time is the device time of a CUDA-graph replay
 (the step compiled with ``fullgraph=True``), median of fixed repetitions run in lockstep by
-both ranks. The step keeps the selection as a set (``sorted=False``: no sort in
-``topk_scored`` nor in the merge); the sorted variants are timed next to it.
+both ranks; the leaves are captured ten times per graph, the step once. The step keeps the
+selection as a set (``sorted=False``: no sort in ``topk_scored`` nor in the merge); the
+sorted variants are timed next to it.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ LEAVES = {"all-gather": "all-gather µs", "exchange": "all-gather + merge µs",
           "exchange sorted": "… merge sorted µs", "scored": "topk_scored µs",
           "scored sorted": "… sorted µs", "indices": "topk_indices µs"}
 HIDDEN, Q_LORA_RANK, TOPK, BS, WORLD = 7168, 1536, 2048, 64, 2
+LEAF_CALLS = 10  # calls per leaf graph
 
 
-def graph_of(fn):
-    """``fn`` warmed up on a side stream, then captured; returns the graph."""
+def graph_of(fn, calls: int = 1):
+    """``fn`` warmed up on a side stream, then captured ``calls`` times in one graph;
+    returns the graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -54,14 +57,18 @@ def graph_of(fn):
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     torch.cuda.synchronize()
     return graph
 
 
-def replay_us(graph, *, collective: bool, rounds: int = 15, reps: int = 10) -> float:
-    """Median device time of one replay in µs. Fixed counts: with a collective inside, both
-    ranks replay the same number of times (a barrier first)."""
+def replay_us(graph, *, collective: bool, rounds: int = 15, reps: int = 10,
+              calls: int = 1) -> float:
+    """Median device time in µs of one of the ``calls`` captured in ``graph`` (a replay
+    divided by ``calls``: the leaves are captured ten times, which leaves out the few µs
+    between two replays). Fixed counts: with a collective inside, both ranks replay the same
+    number of times (a barrier first)."""
     for _ in range(3):
         graph.replay()
     times = []
@@ -75,7 +82,7 @@ def replay_us(graph, *, collective: bool, rounds: int = 15, reps: int = 10) -> f
             graph.replay()
         end.record()
         end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / reps)
+        times.append(1e3 * start.elapsed_time(end) / (reps * calls))
     return statistics.median(times)
 
 
@@ -123,15 +130,16 @@ def leaf_graphs(cfg: dsa.IndexerConfig, batch: int, group: dist.ProcessGroup
         return torch.ops.dsa.dcp_merge_topk(gathered[..., :TOPK].view(torch.float32),
                                             gathered[..., TOPK:], ordered)
 
-    return {"all-gather": (graph_of(lambda: all_gather(pairs, group)), True),
-            "exchange": (graph_of(lambda: exchange(False)), True),
-            "exchange sorted": (graph_of(lambda: exchange(True)), True),
-            "scored": (graph_of(lambda: torch.ops.dsa.topk_scored(logits, lens, TOPK, False)),
-                       False),
-            "scored sorted": (graph_of(lambda: torch.ops.dsa.topk_scored(logits, lens, TOPK)),
-                              False),
-            "indices": (graph_of(lambda: torch.ops.dsa.topk_indices(logits, lens, TOPK)),
-                        False)}
+    calls = LEAF_CALLS
+    return {"all-gather": (graph_of(lambda: all_gather(pairs, group), calls), True),
+            "exchange": (graph_of(lambda: exchange(False), calls), True),
+            "exchange sorted": (graph_of(lambda: exchange(True), calls), True),
+            "scored": (graph_of(lambda: torch.ops.dsa.topk_scored(logits, lens, TOPK, False),
+                                calls), False),
+            "scored sorted": (graph_of(lambda: torch.ops.dsa.topk_scored(logits, lens, TOPK),
+                                       calls), False),
+            "indices": (graph_of(lambda: torch.ops.dsa.topk_indices(logits, lens, TOPK),
+                                 calls), False)}
 
 
 def bench_shape(rank: int, batch: int, length: int, group: dist.ProcessGroup) -> list[object]:
@@ -144,7 +152,7 @@ def bench_shape(rank: int, batch: int, length: int, group: dist.ProcessGroup) ->
     sharded = replay_us(graph, collective=True)
     del graph, keep
     graphs = leaf_graphs(cfg, batch, group)
-    leaf_us = {name: replay_us(graph, collective=collective)
+    leaf_us = {name: replay_us(graph, collective=collective, calls=LEAF_CALLS)
                for name, (graph, collective) in graphs.items()}
     del graphs
     torch.cuda.empty_cache()
@@ -189,7 +197,8 @@ def worker(rank: int, store_path: str, shapes: list[tuple[int, int]], out: str |
             notes=(f"one indexer layer, hidden {HIDDEN}, q_lora_rank {Q_LORA_RANK}, H=64, "
                    f"D=128, top-k {TOPK}, next_n 1, full contexts, bf16, logits backend "
                    "auto; each rank holds half of every context; CUDA-graph replay device "
-                   "time; the step's selection is a set (sorted=False); all-gather: the "
+                   "time (the step: one per graph; the leaves: ten per graph, per call); "
+                   "the step's selection is a set (sorted=False); all-gather: the "
                    "[B, 2k] int32 pairs; merge and topk_scored: as sets, then sorted (…); "
                    "topk_scored / topk_indices: one rank's logits (L / 2 columns)"),
         )
