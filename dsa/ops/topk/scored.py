@@ -342,7 +342,7 @@ def launch_dcp_merge(scores: Tensor, indices: Tensor, sorted: bool = True, *,
     else:
         radix, pivots = SEARCHES[search]
         launch(_dcp_select_kernel, (tokens,), scores, indices, out_indices, out_scores,
-               *strides, k, n, NP=np_, C=min(np_, 32 * num_warps),
+               *strides, k, n, NP=np_, C=min(np_, 128 * num_warps),
                KP=triton.next_power_of_2(k), RADIX=radix, PIVOTS=pivots, num_warps=num_warps)
     return out_indices, out_scores
 
