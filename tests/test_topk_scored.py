@@ -117,6 +117,14 @@ def test_topk_scored_takes_the_lowest_equal_positions(face, ordered):
     topk_scored(face, (logits, i32([n, n - 3]), k, ordered))
 
 
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_topk_scored_ties_keep_their_sign(face, ordered):
+    """A tie at -0.0 filled by the lowest columns: their score stays -0.0, bit for bit."""
+    logits = torch.tensor([[1.0, -0.0, -0.0, -0.0, 2.0, 0.0]])
+    topk_scored(face, (logits, i32([5]), 3, ordered))
+
+
 @pytest.mark.parametrize("face", FACE_NAMES)
 def test_topk_scored_empty(face):
     assert run_op(face, "topk_scored", torch.zeros(0, 5), i32([]), 4)[0].shape == (0, 4)

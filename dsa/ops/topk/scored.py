@@ -173,7 +173,6 @@ def _topk_scored_kernel(logits_ptr, stride_row, sel_ptr, idx_ptr, score_ptr, k,
     # slots n_above .. count - 1: the first columns holding m (none when count == n_above)
     need = count - n_above
     last = tl.where(need > 0, last, -1)
-    m_score = key_value(m)
     seen = tl.zeros([], tl.int32)
     for c in range(0, last + 1, BLOCK):
         cols = c + tl.arange(0, BLOCK)
@@ -183,7 +182,8 @@ def _topk_scored_kernel(logits_ptr, stride_row, sel_ptr, idx_ptr, score_ptr, k,
         rank = seen + tl.cumsum(flags, 0) - flags
         write = equal & (rank < need)
         tl.store(idx_ptr + out + n_above + rank, cols, mask=write)
-        tl.store(score_ptr + out + n_above + rank, tl.zeros([BLOCK], tl.float32) + m_score,
+        # broadcast as the key: 0.0 + m_score would turn a -0.0 score into +0.0
+        tl.store(score_ptr + out + n_above + rank, key_value(tl.zeros([BLOCK], tl.int32) + m),
                  mask=write)
         seen += tl.sum(flags)
 
