@@ -16,6 +16,8 @@ import sys
 
 import torch
 
+import dsa  # noqa: F401  (registers torch.ops.dsa)
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import add_row, bench_parser, graph_us, markdown_table, publish, report
 
