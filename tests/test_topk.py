@@ -277,6 +277,20 @@ def test_candidates_over_capacity(search, bf16):
     check_slots(out, slots, *table)
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
+@pytest.mark.interpret
+@pytest.mark.parametrize("search", [name for name, (radix, _) in SEARCHES.items() if not radix])
+def test_row_streamed_past_two_to_the_16(search):
+    """A row of more than 2**16 valid keys streamed whole (its threshold too high): the
+    multisection counts past 2**16 (two counts packed in one int32 wrapped there, to fewer
+    than k, and the search went astray)."""
+    n = 66500  # all keys above the first pivot: its count wraps to 964 when packed
+    logits = 1.0 + torch.rand(1, n, generator=torch.Generator().manual_seed(8))
+    lengths = i32([n])
+    out = launch_topk(logits, lengths, 1024, parts=1, margin=-100.0, streamed_search=search)
+    check_both(logits, lengths, 1024, None, out)
+
+
 def test_choose_select_cap():
     assert choose_select_cap(4096, 2048) == 4096
     assert choose_select_cap(5000, 2048) == 8192
