@@ -146,6 +146,25 @@ def test_topk_scored_kernel_blocks():
         check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), 16), got, ordered)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "n"), [(8, 65536), (64, 131072)])
+def test_gpu_topk_scored_at_dcp_shapes(rows, n):
+    """A DCP rank's rows at 128K and 256K global keys: the CUDA face equals the CPU face
+    (sorted, position for position; as a set, the same entries)."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randn(rows, n, device="cuda", generator=gen)
+    lengths = torch.randint(n // 2, n + 1, (rows,), device="cuda", generator=gen,
+                            dtype=torch.int32)
+    want = torch.ops.dsa.topk_scored(logits.cpu(), lengths.cpu(), 2048)
+    for ordered in (True, False):
+        got = [t.cpu() for t in torch.ops.dsa.topk_scored(logits, lengths, 2048, ordered)]
+        expect = want if ordered else ref.in_position_order(*want)
+        if not ordered:
+            got = ref.in_position_order(*got)
+        assert torch.equal(got[0], expect[0])
+        assert torch.equal(got[1].view(torch.int32), expect[1].view(torch.int32))
+
+
 # --- merge ---------------------------------------------------------------------------------
 
 
