@@ -169,14 +169,14 @@ def test_gpu_topk_scored_at_dcp_shapes(rows, n):
 
 
 def shard_selections(face: str, logits: torch.Tensor, lengths: torch.Tensor, k: int,
-                     world: int, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``[W, T, k]`` scores and global positions: each rank's topk_scored over its shard
     (global column c is rank c % W's local column c // W)."""
     scores, positions = [], []
     for rank in range(world):
         local = logits[:, rank::world].contiguous()
         lens = local_share(lengths.view(-1), world, rank, 1).to(torch.int32)
-        idx, sc = run_op(face, "topk_scored", local, lens, k, ordered)
+        idx, sc = run_op(face, "topk_scored", local, lens, k)
         scores.append(sc)
         positions.append(global_positions(idx, world, rank))
     return torch.stack(scores), torch.stack(positions)
