@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 import dsa
 from dsa.distributed import NCCL_NO_MULTICAST, all_gather
+from dsa.ops.dcp import global_positions
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import markdown_table, publish, report
@@ -123,7 +124,8 @@ def leaf_graphs(cfg: dsa.IndexerConfig, batch: int, group: dist.ProcessGroup
     logits = torch.randn(batch, width, device="cuda")
     lens = torch.full((batch,), width, device="cuda", dtype=torch.int32)
     indices, scores = torch.ops.dsa.topk_scored(logits, lens, TOPK)
-    pairs = torch.cat([scores.view(torch.int32), indices], dim=1)
+    positions = global_positions(indices, cfg.dcp_world, cfg.dcp_rank)  # as the step's
+    pairs = torch.cat([scores.view(torch.int32), positions], dim=1)
 
     def exchange(ordered: bool):
         gathered = all_gather(pairs, group)
