@@ -334,25 +334,40 @@ def streamed_multisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK: tl.constexpr
         if PIVOTS == 4:
             m3 = pivot(t_lo, span, 3, PIVOTS)
             m4 = pivot(t_lo, span, 4, PIVOTS)
-        # a count of its own per pivot: a source may hold 2**16 keys or more, which two
-        # counts packed in one int32 would not
-        n1 = tl.zeros([BLOCK // C, C], tl.int32)
-        n2 = tl.zeros([BLOCK // C, C], tl.int32)
-        n3 = tl.zeros([BLOCK // C, C], tl.int32)
-        n4 = tl.zeros([BLOCK // C, C], tl.int32)
-        for c in range(base, hi, BLOCK):
-            key, _, inside = streamed_block(src_ptr, counts_ptr, c + offs, lo, hi, 0, BLOCK,
-                                            REGIONS)
-            key = tl.where(inside, key, INT_MIN)
-            n1 += (key >= m1.to(tl.int32)).to(tl.int32)
-            n2 += (key >= m2.to(tl.int32)).to(tl.int32)
+        if (REGIONS > 0) & (REGIONS * BLOCK < 65536):  # < 2**16 candidates: two counts per int32
+            n12 = tl.zeros([BLOCK // C, C], tl.int32)
+            n34 = tl.zeros([BLOCK // C, C], tl.int32)
+            for c in range(base, hi, BLOCK):
+                key, _, inside = streamed_block(src_ptr, counts_ptr, c + offs, lo, hi, 0,
+                                                BLOCK, REGIONS)
+                key = tl.where(inside, key, INT_MIN)
+                n12 += packed_counts(key, m1, m2)
+                if PIVOTS == 4:
+                    n34 += packed_counts(key, m3, m4)
+            p12 = tl.sum(n12)
+            p34 = p12
             if PIVOTS == 4:
-                n3 += (key >= m3.to(tl.int32)).to(tl.int32)
-                n4 += (key >= m4.to(tl.int32)).to(tl.int32)
-        c1, c2 = tl.reduce((tl.ravel(n1), tl.ravel(n2)), 0, _add_pairs)
-        c3, c4 = c2, c2
-        if PIVOTS == 4:
-            c3, c4 = tl.reduce((tl.ravel(n3), tl.ravel(n4)), 0, _add_pairs)
+                p34 = tl.sum(n34)
+            c1, c2 = p12 & 0xFFFF, (p12 >> 16) & 0xFFFF
+            c3, c4 = p34 & 0xFFFF, (p34 >> 16) & 0xFFFF
+        else:  # a row, or many candidates: 2**16 keys or more, a count per pivot
+            n1 = tl.zeros([BLOCK // C, C], tl.int32)
+            n2 = tl.zeros([BLOCK // C, C], tl.int32)
+            n3 = tl.zeros([BLOCK // C, C], tl.int32)
+            n4 = tl.zeros([BLOCK // C, C], tl.int32)
+            for c in range(base, hi, BLOCK):
+                key, _, inside = streamed_block(src_ptr, counts_ptr, c + offs, lo, hi, 0,
+                                                BLOCK, REGIONS)
+                key = tl.where(inside, key, INT_MIN)
+                n1 += (key >= m1.to(tl.int32)).to(tl.int32)
+                n2 += (key >= m2.to(tl.int32)).to(tl.int32)
+                if PIVOTS == 4:
+                    n3 += (key >= m3.to(tl.int32)).to(tl.int32)
+                    n4 += (key >= m4.to(tl.int32)).to(tl.int32)
+            c1, c2 = tl.reduce((tl.ravel(n1), tl.ravel(n2)), 0, _add_pairs)
+            c3, c4 = c2, c2
+            if PIVOTS == 4:
+                c3, c4 = tl.reduce((tl.ravel(n3), tl.ravel(n4)), 0, _add_pairs)
         t_lo, t_hi, c_lo, c_hi = narrow(t_lo, t_hi, c_lo, c_hi, m1, m2, m3, m4, c1, c2, c3, c4,
                                         k, PIVOTS)
     return t_lo.to(tl.int32), c_lo, c_hi
