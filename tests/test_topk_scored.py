@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from strategies import topk_rows
 
 from dsa.ops.dcp import global_positions, local_share, owned_indices
+from dsa.ops.topk.indices import SEARCHES, launch_topk
 from tests import reference_compute as ref
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
@@ -134,16 +135,29 @@ def test_topk_scored_empty(face):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test")
 @pytest.mark.interpret
-def test_topk_scored_kernel_blocks():
-    """The pass over the equal keys in steps smaller than the row."""
-    from dsa.ops.topk.scored import launch_topk_scored
-
-    gen = torch.Generator().manual_seed(5)
-    logits = values(gen, 2, 300, "ties")
-    lengths = i32([300, 250])
-    for ordered in (True, False):
-        got = launch_topk_scored(logits, lengths, 16, ordered, block=32)
-        check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), 16), got, ordered)
+@pytest.mark.parametrize("search", list(SEARCHES))
+@pytest.mark.parametrize("margin", [-100.0, 4.0, 12.0, 1e9])
+def test_topk_scored_through_every_path(margin, search):
+    """``topk_scored``'s selection (``launch_topk`` with ``lowest`` and ``scores``) in each
+    path of the top-k kernels: rows read whole (length <= select_cap), candidates in
+    registers (margin 4), candidates streamed from their regions (12: more than
+    select_cap, each part's within its region; the k-th largest tied, so the row is
+    passed again in position order), the row streamed (-100: fewer than k candidates;
+    1e9: a part's candidates overflow its region). Ties go to the lowest positions."""
+    gen = torch.Generator().manual_seed(6)
+    n, k = 600, 40
+    ties = torch.where(torch.arange(n) % 2 == 0, 1.0, -5.0 - torch.rand(n, generator=gen))
+    ties[torch.randperm(n, generator=gen)[:20]] = 2.0 + torch.rand(20, generator=gen)
+    logits = torch.stack([ties, values(gen, 1, n, "ties")[0], ties.roll(7),
+                          torch.full((n,), 0.25), torch.randn(n, generator=gen)])
+    lengths = i32([n, n - 9, 593, 500, 100])
+    indices = torch.full((5, k), 7, dtype=torch.int32)
+    scores = torch.full((5, k), 7.0)
+    launch_topk(logits, lengths, k, out=indices, scores=scores, lowest=True, parts=4,
+                block=32, select_cap=128, sample_groups=16, margin=margin, finish_block=32,
+                num_warps=1, select_warps=1, search=search, streamed_search=search)
+    check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), (indices, scores),
+                  ordered=False)
 
 
 @pytest.mark.gpu

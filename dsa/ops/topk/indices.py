@@ -58,11 +58,12 @@ from dsa.ops.topk.select import (
     row_range,
     scatter,
     search_key,
-    select_streamed,
     select_write,
     slots,
+    streamed_kth,
     tile,
     write_all,
+    write_streamed,
 )
 from dsa.ops.topk.slots import _indices_to_slots_cpu, check_slot_args, request_row, slot_of
 
@@ -215,18 +216,22 @@ def _candidates_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr
 
 @triton.jit
 def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, count_ptr,
-                   out_ptr, slots_ptr, table_ptr, table_stride, req_ptr, num_reqs, width,
-                   num_blocks, n_cols, k, HAS_STARTS: tl.constexpr, PARTS: tl.constexpr,
-                   CAP: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
-                   FINISH_BLOCK: tl.constexpr, PRELOAD: tl.constexpr, SLOTS: tl.constexpr,
-                   BS: tl.constexpr, RADIX: tl.constexpr, PIVOTS: tl.constexpr,
-                   STREAM_RADIX: tl.constexpr, STREAM_PIVOTS: tl.constexpr):
+                   out_ptr, score_ptr, slots_ptr, table_ptr, table_stride, req_ptr, num_reqs,
+                   width, num_blocks, n_cols, k, HAS_STARTS: tl.constexpr,
+                   PARTS: tl.constexpr, CAP: tl.constexpr, C: tl.constexpr,
+                   BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr, PRELOAD: tl.constexpr,
+                   SLOTS: tl.constexpr, BS: tl.constexpr, RADIX: tl.constexpr,
+                   PIVOTS: tl.constexpr, STREAM_RADIX: tl.constexpr,
+                   STREAM_PIVOTS: tl.constexpr, LOWEST: tl.constexpr, SCORES: tl.constexpr):
     """Program per row: ``valid <= k``: all; ``valid <= CAP``: the row read whole into
     registers; else the parts' candidates: in registers (at most CAP), streamed from the
     parts' regions (more than CAP, each part's stored whole), or, when they are not all
-    stored or fewer than k, the streamed search over the row. With SLOTS, the row's
-    indices are then read back and written as cache slots (``indices_to_slots`` of the
-    row). STREAM_RADIX, STREAM_PIVOTS: the streamed searches' RADIX and PIVOTS."""
+    stored or fewer than k, the streamed search over the row. LOWEST: ties at the k-th
+    largest go to the lowest positions (candidates streamed from the regions, which are not
+    in position order, are then written from a pass over the row). SCORES: the selected
+    logits (fp32) are written too, -inf past the valid ones. With SLOTS, the row's indices
+    are then read back and written as cache slots (``indices_to_slots`` of the row).
+    STREAM_RADIX, STREAM_PIVOTS: the streamed searches' RADIX and PIVOTS."""
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     j = tile(CAP // C, C)
@@ -237,15 +242,17 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
                                         num_reqs)
     lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
     out_row = out_ptr + row.to(tl.int64) * k
+    score_row = score_ptr + row.to(tl.int64) * k
     if hi - lo <= k:
-        write_all(out_row, hi - lo, off, k, FINISH_BLOCK)
+        write_all(out_row, score_row, row_ptr, lo, hi - lo, off, k, FINISH_BLOCK, SCORES)
     elif hi - lo <= CAP:
         member = j < hi - lo
         if PRELOAD:
             keys = search_key(whole)
         else:
             keys = search_key(tl.load(row_ptr + lo + j, mask=member, other=0.0))
-        select_write(keys, j + off, member, hi - lo, k, out_row, CAP, RADIX, PIVOTS)
+        select_write(keys, j + off, member, hi - lo, k, out_row, score_row, CAP, RADIX,
+                     PIVOTS, LOWEST, SCORES)
     else:
         counts = count_ptr + row * PARTS
         cand_row = cand_ptr + row.to(tl.int64) * (PARTS * CAP)
@@ -254,13 +261,24 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
             member = j < total
             packed = gather(cand_row + src, member, CAP)
             select_write((packed >> 32).to(tl.int32), packed.to(tl.int32), member, total, k,
-                         out_row, CAP, RADIX, PIVOTS)
+                         out_row, score_row, CAP, RADIX, PIVOTS, LOWEST, SCORES)
         elif (total >= k) & (largest <= CAP):  # all stored, streamed from the regions
-            select_streamed(cand_row, counts, out_row, k, 0, total, 0, CAP, C, STREAM_RADIX,
-                            STREAM_PIVOTS, PARTS)
+            t, c_lo, c_hi = streamed_kth(cand_row, counts, k, 0, total, CAP, C, STREAM_RADIX,
+                                         STREAM_PIVOTS, PARTS)
+            from_row = False
+            if LOWEST:  # a tie broken by position: the row is in order, the regions not
+                from_row = c_lo != k
+            if from_row:
+                write_streamed(row_ptr, counts, out_row, score_row, k, t, c_lo, c_hi, lo, hi,
+                               off, BLOCK, C, 0, LOWEST, SCORES)
+            else:
+                write_streamed(cand_row, counts, out_row, score_row, k, t, c_lo, c_hi, 0,
+                               total, 0, CAP, C, PARTS, LOWEST, SCORES)
         else:
-            select_streamed(row_ptr, counts, out_row, k, lo, hi, off, BLOCK, C, STREAM_RADIX,
-                            STREAM_PIVOTS, 0)
+            t, c_lo, c_hi = streamed_kth(row_ptr, counts, k, lo, hi, BLOCK, C, STREAM_RADIX,
+                                         STREAM_PIVOTS, 0)
+            write_streamed(row_ptr, counts, out_row, score_row, k, t, c_lo, c_hi, lo, hi,
+                           off, BLOCK, C, 0, LOWEST, SCORES)
     if SLOTS:
         tl.debug_barrier()  # the row's indices, scattered by every thread, are in memory
         slot_row = slots_ptr + row.to(tl.int64) * k
@@ -374,10 +392,14 @@ TUNING = Tuning()
 
 def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None, *,
                 out: Tensor | None = None, slots: SlotArgs | None = None,
+                scores: Tensor | None = None, lowest: bool = False,
                 parts: int | None = None, select_cap: int | None = None,
                 select_warps: int | None = None, **tuning: Any) -> Tensor:
     """Runs the Triton top-k (arguments already validated) into ``out`` and returns it;
-    with ``slots``, also writes the selection's cache slots into ``slots.out``.
+    with ``slots``, also writes the selection's cache slots into ``slots.out``; with
+    ``scores`` (``[rows, k]`` fp32, fp32 logits only), the selected logits, -inf past the
+    valid ones. lowest: of the logits equal to the k-th largest, those of the lowest
+    positions are taken (else any).
 
     parts: programs per row of the candidates pass (power of two; None =
         :func:`choose_parts`). select_cap: candidates per row held in registers (power of
@@ -425,6 +447,8 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
             C=min(block, 128 * tune.num_warps), EARLY_LOAD=bool(tune.early_load),
             num_warps=tune.num_warps, **flags,
         )
+    if scores is not None and logits.dtype != torch.float32:
+        raise ValueError(f"launch_topk: `scores` needs float32 logits, got {logits.dtype}")
     if slots is None:  # placeholders, never read
         slot_args = (out, lengths, 0, lengths, 0, 0, 0)
         slot_flags = dict(SLOTS=False, BS=1)
@@ -434,7 +458,8 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
                      slots.num_blocks)
         slot_flags = dict(SLOTS=True, BS=slots.block_size)
     launch(_select_kernel, (rows,),
-        *head, cand, counts, out, *slot_args, n_cols, k, PARTS=parts, CAP=select_cap,
+        *head, cand, counts, out, logits if scores is None else scores, *slot_args, n_cols, k,
+        PARTS=parts, CAP=select_cap, LOWEST=bool(lowest), SCORES=scores is not None,
         C=min(select_cap, block, 128 * select_warps), BLOCK=block, FINISH_BLOCK=finish_block,
         STREAM_RADIX=stream_radix, STREAM_PIVOTS=stream_pivots,
         PRELOAD=n_cols <= select_cap and starts is None and rows <= tune.preload_rows,

@@ -20,14 +20,11 @@ row free, as ``topk_indices`` does; each face's order is deterministic. The CUDA
 skip the sort, which costs more than the selection (the exact cross-rank top-k needs the
 set only). The CPU faces always sort.
 
-CUDA faces: ``topk_scored`` takes an exact top-(k + 1) set from ``topk_indices``' kernels;
-with m its smallest key (the (k + 1)-th largest of the row), its keys above m are kept
-(sorted on request); only when they are fewer than k (m is also the k-th largest: a tie at
-the threshold) one pass over the row, up to the last column of m in the set, fills the
-remaining slots with the lowest columns holding m. ``dcp_merge_topk`` takes one program per
-token: sorted, its ``W * k`` candidates sorted; else the k-th largest key is searched
-(``kth_search``), the larger keys are taken, and of the equal ones those of the lowest
-positions (a second search, on the positions, only when there are more than needed). The
+CUDA faces: ``topk_scored`` is ``topk_indices``' selection with the lowest positions taken
+among logits equal to the k-th largest (a second search, on the positions, only on such a
+tie) and the selected logits written with the indices, in one launch; sorted, a second one
+sorts each row. ``dcp_merge_topk`` takes one program per token: sorted, its ``W * k``
+candidates sorted; else the same selection as ``topk_scored``'s, on the candidates. The
 sorts are on one int64 per entry: the key in the high half, ``2**31 - 1 - position`` in
 the low half.
 """
@@ -46,18 +43,16 @@ from dsa.ops.topk.indices import (
     MAX_SELECT_CAP,
     SEARCHES,
     TUNING,
-    choose_select_cap,
     flip_order,
     launch_topk,
     order_keys,
 )
 from dsa.ops.topk.select import (
-    INT_MAX,
     INT_MIN,
     key_value,
-    kth_search,
     order_key,
     scatter,
+    select_positions,
     slots,
     tile,
 )
@@ -125,86 +120,39 @@ def _topk_scored_cpu(logits: Tensor, lengths: Tensor, k: int, sorted: bool = Tru
 
 
 @triton.jit
-def _topk_scored_kernel(logits_ptr, stride_row, sel_ptr, idx_ptr, score_ptr, k,
-                        KP: tl.constexpr, BLOCK: tl.constexpr, SORTED: tl.constexpr):
-    """Program per row: ``sel`` holds an exact top-(k + 1) set (ties free), its last entry
-    apart. With m the smallest of its keys, the keys above m are written (sorted when
-    SORTED, else in the set's order); when they are fewer than k, the k-th largest key is m
-    and the remaining slots take the lowest columns holding m, found by one pass up to the
-    last such column of the set."""
-    row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    sel_row = sel_ptr + row.to(tl.int64) * (k + 1)
-    out = row.to(tl.int64) * k
+def _sort_rows_kernel(idx_ptr, score_ptr, k, KP: tl.constexpr):
+    """Program per row: its k (index, score) pairs sorted in place into the module's order
+    (-1 indices last)."""
+    out = tl.program_id(0).to(tl.int64) * k
     j = tl.arange(0, KP)
-    idx = tl.load(sel_row + j, mask=j < k, other=-1)
-    taken = idx >= 0
-    key = order_key(tl.load(row_ptr + idx, mask=taken, other=0.0))
-    extra = tl.load(sel_row + k)
-    full = extra >= 0  # more than k valid columns
-    extra_key = order_key(tl.load(row_ptr + tl.maximum(extra, 0), mask=full, other=0.0))
-    kept = tl.where(taken, key, INT_MAX)
-    m = tl.minimum(tl.min(kept), tl.where(full, extra_key, INT_MAX))
-    # the extra entry takes the place of one entry holding m when it is larger
-    swap = (j == tl.argmin(kept, 0)) & full & (extra_key > m)
-    last = tl.max(tl.where(taken & (key == m), idx, -1))
-    last = tl.maximum(last, tl.where(full & (extra_key == m), extra, -1))
-    idx = tl.where(swap, extra, idx)
-    key = tl.where(swap, extra_key, key)
-    above = taken & ((key > m) | (extra < 0))
-    n_above = tl.sum(above.to(tl.int32))
-    count = tl.where(full, k, tl.sum(taken.to(tl.int32)))
-    if SORTED:
-        entry = tl.where(above, (key.to(tl.int64) << 32) | (2147483647 - idx).to(tl.int64),
-                         -9223372036854775808)
-        entry = tl.sort(entry, descending=True)
-        tl.store(idx_ptr + out + j, (2147483647 - (entry & 0xFFFFFFFF)).to(tl.int32),
-                 mask=j < n_above)
-        tl.store(score_ptr + out + j, key_value((entry >> 32).to(tl.int32)),
-                 mask=j < n_above)
-    else:
-        ones = above.to(tl.int32)
-        at = tl.cumsum(ones, 0) - ones
-        tl.store(idx_ptr + out + at, idx, mask=ones > 0)
-        tl.store(score_ptr + out + at, key_value(key), mask=ones > 0)
-    pad = (j >= count) & (j < k)
-    tl.store(idx_ptr + out + j, tl.full([KP], -1, tl.int32), mask=pad)
-    tl.store(score_ptr + out + j, tl.full([KP], float("-inf"), tl.float32), mask=pad)
-    # slots n_above .. count - 1: the first columns holding m (none when count == n_above)
-    need = count - n_above
-    last = tl.where(need > 0, last, -1)
-    seen = tl.zeros([], tl.int32)
-    for c in range(0, last + 1, BLOCK):
-        cols = c + tl.arange(0, BLOCK)
-        inside = cols <= last
-        equal = inside & (order_key(tl.load(row_ptr + cols, mask=inside, other=0.0)) == m)
-        flags = equal.to(tl.int32)
-        rank = seen + tl.cumsum(flags, 0) - flags
-        write = equal & (rank < need)
-        tl.store(idx_ptr + out + n_above + rank, cols, mask=write)
-        # broadcast as the key: 0.0 + m_score would turn a -0.0 score into +0.0
-        tl.store(score_ptr + out + n_above + rank, key_value(tl.zeros([BLOCK], tl.int32) + m),
-                 mask=write)
-        seen += tl.sum(flags)
+    idx = tl.load(idx_ptr + out + j, mask=j < k, other=-1)
+    key = order_key(tl.load(score_ptr + out + j, mask=j < k, other=0.0))
+    entry = tl.where(idx >= 0, (key.to(tl.int64) << 32) | (2147483647 - idx).to(tl.int64),
+                     -9223372036854775808)
+    entry = tl.sort(entry, descending=True)
+    taken = entry != -9223372036854775808
+    tl.store(idx_ptr + out + j,
+             tl.where(taken, (2147483647 - (entry & 0xFFFFFFFF)).to(tl.int32), -1), mask=j < k)
+    tl.store(score_ptr + out + j,
+             tl.where(taken, key_value((entry >> 32).to(tl.int32)), float("-inf")), mask=j < k)
 
 
 def launch_topk_scored(logits: Tensor, lengths: Tensor, k: int, sorted: bool = True, *,
-                       indices: Tensor | None = None, scores: Tensor | None = None,
-                       block: int = 1024) -> tuple[Tensor, Tensor]:
+                       indices: Tensor | None = None, scores: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor]:
     """Runs the Triton ``topk_scored`` (arguments already validated) into ``indices`` and
-    ``scores`` and returns them. block: columns per step of the pass over equal keys."""
-    rows, n_cols = logits.shape
+    ``scores`` and returns them."""
+    rows = logits.shape[0]
     if indices is None:
         indices = logits.new_empty((rows, k), dtype=torch.int32)
     if scores is None:
         scores = logits.new_empty((rows, k), dtype=torch.float32)
     if rows == 0:
         return indices, scores
-    # the candidates' room as for k (k + 1 would double it at k = 2048, a slower select)
-    selected = launch_topk(logits, lengths, k + 1,
-                           select_cap=choose_select_cap(n_cols, k, row_cols=TUNING.row_cols))
-    launch(_topk_scored_kernel, (rows,), logits, logits.stride(0), selected, indices, scores, k,
-           KP=triton.next_power_of_2(k), BLOCK=block, SORTED=sorted, num_warps=8)
+    launch_topk(logits, lengths, k, out=indices, scores=scores, lowest=True)
+    if sorted:
+        launch(_sort_rows_kernel, (rows,), indices, scores, k, KP=triton.next_power_of_2(k),
+               num_warps=8)
     return indices, scores
 
 
@@ -296,23 +244,14 @@ def _dcp_select_kernel(score_ptr, idx_ptr, out_idx_ptr, out_score_ptr, s_rank, s
                                  i_token, k, n, tile(NP // C, C))
     count = tl.sum(take.to(tl.int32))
     if count > k:
-        t, _ = kth_search(key, take, count, k, k, RADIX, PIVOTS)
-        above = take & (key > t)
-        equal = take & (key == t)
-        need = k - tl.sum(above.to(tl.int32))
-        n_equal = tl.sum(equal.to(tl.int32))
-        if n_equal > need:  # a tie at the k-th key: the lowest positions
-            lowest = tl.where(equal, -pos, INT_MIN)
-            p, _ = kth_search(lowest, equal, n_equal, need, need, RADIX, PIVOTS)
-            equal = equal & (lowest >= p)
-        take = above | equal
-    at, total = slots(take.to(tl.int32))
-    write = take & (at < k)
+        take, at = select_positions(key, pos, take, count, k, RADIX, PIVOTS, True)
+    else:
+        at, _ = slots(take.to(tl.int32))
     out = token * k
-    scatter(out_idx_ptr + out + at, pos, write, NP)
-    scatter(out_score_ptr + out + at, key_value(key), write, NP)
+    scatter(out_idx_ptr + out + at, pos, take, NP)
+    scatter(out_score_ptr + out + at, key_value(key), take, NP)
     j = tl.arange(0, KP)
-    pad = (j >= total) & (j < k)
+    pad = (j >= count) & (j < k)
     tl.store(out_idx_ptr + out + j, tl.full([KP], -1, tl.int32), mask=pad)
     tl.store(out_score_ptr + out + j, tl.full([KP], float("-inf"), tl.float32), mask=pad)
 

@@ -4,9 +4,10 @@ Keys (:func:`order_key`, :func:`search_key`) order like the logits they encode. 
 keys live in an ``[R, C]`` register tile (:func:`tile`); :func:`kth_search` finds the k-th
 largest key, by multisection with two or four pivots counted per block reduction or by a
 radix select (a histogram of one digit per pass, ``RADIX`` bits at a time),
-:func:`select_write` writes the larger keys and enough equal ones, and
-:func:`select_streamed` does the same for a row, or for candidates, too many for
-registers, streaming them once per step (:func:`streamed_block`). Stores and gathers go
+:func:`select_positions` takes the larger keys and enough equal ones (the lowest
+positions on request), and :func:`streamed_kth` and :func:`write_streamed` do the same
+for a row, or for candidates, too many for registers, streaming them once per step
+(:func:`streamed_block`). Stores and gathers go
 through flattened tiles (:func:`scatter`, :func:`gather`) so Triton keeps one layout for
 them."""
 
@@ -245,26 +246,54 @@ def kth_search(keys, member, count, need, need_hi, RADIX: tl.constexpr,
 
 
 @triton.jit
-def select_write(keys, idx, member, count, k, out_row, N: tl.constexpr,
-                 RADIX: tl.constexpr, PIVOTS: tl.constexpr):
-    """Writes the output indices ``idx`` of the k largest member keys of an ``[R, C]`` tile
-    (N elements, ``count = count(member) > k``; ties: the first in column-major order)."""
+def select_positions(keys, idx, member, count, k, RADIX: tl.constexpr,
+                     PIVOTS: tl.constexpr, LOWEST: tl.constexpr):
+    """The k largest member keys of a tile (``count = count(member) > k``): (taken, their
+    output slots ``0 .. k - 1``). Of the keys equal to the k-th largest, LOWEST: those of
+    the lowest ``idx`` (a second search, on ``-idx``, only when more are equal than
+    needed; ``idx >= 0``), else the first in column-major order."""
     keys = tl.where(member, keys, INT_MIN)
     t, _ = kth_search(keys, member, count, k, k, RADIX, PIVOTS)
     # keys > t are all taken (fewer than k), then keys == t up to k
     gt = member & (keys > t)
     eq = member & (keys == t)
+    if LOWEST:
+        both = tl.sum(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
+        need = k - (both & 0xFFFF)
+        n_eq = both >> 16
+        if n_eq > need:
+            lowest = tl.where(eq, -idx, INT_MIN)
+            p, _ = kth_search(lowest, eq, n_eq, need, need, RADIX, PIVOTS)
+            eq = eq & (lowest >= p)
     before, total = slots(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
     pos = tl.where(gt, before & 0xFFFF, (total & 0xFFFF) + (before >> 16))
-    scatter(out_row + pos, idx, (gt | eq) & (pos < k), N)
+    return (gt | eq) & (pos < k), pos
 
 
 @triton.jit
-def write_all(out_row, valid, off, k, BLOCK: tl.constexpr):
-    """A row with ``valid <= k``: ``off .. off + valid - 1`` then -1."""
+def select_write(keys, idx, member, count, k, out_row, score_row, N: tl.constexpr,
+                 RADIX: tl.constexpr, PIVOTS: tl.constexpr, LOWEST: tl.constexpr,
+                 SCORES: tl.constexpr):
+    """Writes the output indices ``idx`` of the k largest member keys of an ``[R, C]`` tile
+    (N elements, ``count = count(member) > k``; ties as in :func:`select_positions`) and,
+    with SCORES, their values (fp32 keys) at ``score_row``."""
+    taken, pos = select_positions(keys, idx, member, count, k, RADIX, PIVOTS, LOWEST)
+    scatter(out_row + pos, idx, taken, N)
+    if SCORES:
+        scatter(score_row + pos, key_value(keys), taken, N)
+
+
+@triton.jit
+def write_all(out_row, score_row, row_ptr, lo, valid, off, k, BLOCK: tl.constexpr,
+              SCORES: tl.constexpr):
+    """A row with ``valid <= k``: ``off .. off + valid - 1`` then -1; with SCORES, its
+    logits from column ``lo`` then -inf."""
     for c in range(0, k, BLOCK):
         j = c + tl.arange(0, BLOCK)
         tl.store(out_row + j, tl.where(j < valid, j + off, -1), mask=j < k)
+        if SCORES:
+            score = tl.load(row_ptr + lo + j, mask=j < valid, other=float("-inf"))
+            tl.store(score_row + j, score, mask=j < k)
 
 
 @triton.jit
@@ -394,14 +423,12 @@ def streamed_radix(src_ptr, counts_ptr, k, lo, hi, base, BLOCK: tl.constexpr,
 
 
 @triton.jit
-def select_streamed(src_ptr, counts_ptr, out_row, k, lo, hi, off, BLOCK: tl.constexpr,
-                    C: tl.constexpr, RADIX: tl.constexpr, PIVOTS: tl.constexpr,
-                    REGIONS: tl.constexpr):
-    """The selection of a streamed source with ``valid > k`` (:func:`streamed_block`:
-    the whole row, or candidates too many for registers): the search (RADIX and PIVOTS as
-    in :func:`kth_search`) counts over the whole source at each step, then one pass writes the
-    keys above the k-th largest and the first equal ones."""
-    offs = tile(BLOCK // C, C)
+def streamed_kth(src_ptr, counts_ptr, k, lo, hi, BLOCK: tl.constexpr, C: tl.constexpr,
+                 RADIX: tl.constexpr, PIVOTS: tl.constexpr, REGIONS: tl.constexpr):
+    """The k-th largest key of a streamed source with ``valid > k`` (:func:`streamed_block`:
+    the whole row, or candidates too many for registers), counting over the whole source
+    at each step (RADIX and PIVOTS as in :func:`kth_search`): (t, count(key >= t),
+    count(key > t)), with ``count(key >= t) == k`` or ``t`` the k-th largest key."""
     base = (lo // BLOCK) * BLOCK
     if RADIX:
         t, c_lo, c_hi = streamed_radix(src_ptr, counts_ptr, k, lo, hi, base, BLOCK, RADIX,
@@ -409,7 +436,19 @@ def select_streamed(src_ptr, counts_ptr, out_row, k, lo, hi, off, BLOCK: tl.cons
     else:
         t, c_lo, c_hi = streamed_multisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK, C,
                                            REGIONS, PIVOTS)
-    # c_lo == k: every key >= t is taken; else the c_hi keys > t, then the first equal ones
+    return t, c_lo, c_hi
+
+
+@triton.jit
+def write_streamed(src_ptr, counts_ptr, out_row, score_row, k, t, c_lo, c_hi, lo, hi, off,
+                   BLOCK: tl.constexpr, C: tl.constexpr, REGIONS: tl.constexpr,
+                   LOWEST: tl.constexpr, SCORES: tl.constexpr):
+    """One pass over a streamed source writing the selection of :func:`streamed_kth`'s
+    ``(t, c_lo, c_hi)``: every key >= t when ``c_lo == k``, else the keys > t and the first
+    equal ones: in the source's order with LOWEST (for a row: the lowest positions), else
+    block by block in column-major order. SCORES: as in :func:`select_write`."""
+    offs = tile(BLOCK // C, C)
+    base = (lo // BLOCK) * BLOCK
     exact = flag(c_lo == k)
     n_above = tl.where(exact, k, c_hi)
     seen_gt = tl.zeros([], tl.int32)
@@ -420,8 +459,15 @@ def select_streamed(src_ptr, counts_ptr, out_row, k, lo, hi, off, BLOCK: tl.cons
         gt = inside & ((key > t) | (exact & (key == t)))
         eq = inside & (key == t) & (~exact)
         before, total = slots(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
-        pos = tl.where(gt, seen_gt + (before & 0xFFFF), n_above + seen_eq + (before >> 16))
-        scatter(out_row + pos, idx, (gt | eq) & (pos < k), BLOCK)
+        eq_before = before >> 16
+        if LOWEST:  # ranked in row-major order, the source's
+            flat = tl.ravel(eq.to(tl.int32))
+            eq_before = tl.reshape(tl.cumsum(flat, 0) - flat, [BLOCK // C, C])
+        pos = tl.where(gt, seen_gt + (before & 0xFFFF), n_above + seen_eq + eq_before)
+        taken = (gt | eq) & (pos < k)
+        scatter(out_row + pos, idx, taken, BLOCK)
+        if SCORES:
+            scatter(score_row + pos, key_value(key), taken, BLOCK)
         seen_gt += total & 0xFFFF
         seen_eq += total >> 16
 
