@@ -61,6 +61,7 @@ from dsa.ops.topk.select import (
     select_write,
     slots,
     streamed_kth,
+    tie_position,
     tile,
     write_all,
     write_streamed,
@@ -227,8 +228,8 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
     registers; else the parts' candidates: in registers (at most CAP), streamed from the
     parts' regions (more than CAP, each part's stored whole), or, when they are not all
     stored or fewer than k, the streamed search over the row. LOWEST: ties at the k-th
-    largest go to the lowest positions (candidates streamed from the regions, which are not
-    in position order, are then written from a pass over the row). SCORES: the selected
+    largest go to the lowest positions (a second search, on the positions of the equal
+    keys, where the candidates hold them out of order). SCORES: the selected
     logits (fp32) are written too, -inf past the valid ones. With SLOTS, the row's indices
     are then read back and written as cache slots (``indices_to_slots`` of the row).
     STREAM_RADIX, STREAM_PIVOTS: the streamed searches' RADIX and PIVOTS."""
@@ -265,20 +266,18 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
         elif (total >= k) & (largest <= CAP):  # all stored, streamed from the regions
             t, c_lo, c_hi = streamed_kth(cand_row, counts, k, 0, total, CAP, C, STREAM_RADIX,
                                          STREAM_PIVOTS, PARTS)
-            from_row = False
-            if LOWEST:  # a tie broken by position: the row is in order, the regions not
-                from_row = c_lo != k
-            if from_row:
-                write_streamed(row_ptr, counts, out_row, score_row, k, t, c_lo, c_hi, lo, hi,
-                               off, BLOCK, C, 0, LOWEST, SCORES)
-            else:
-                write_streamed(cand_row, counts, out_row, score_row, k, t, c_lo, c_hi, 0,
-                               total, 0, CAP, C, PARTS, LOWEST, SCORES)
+            p = INT_MIN
+            if LOWEST:  # noqa: SIM102 (a compile-time test, then a run-time one)
+                if c_lo != k:  # a tie at the k-th largest: the lowest positions
+                    p = tie_position(cand_row, counts, k, t, c_lo, c_hi, total, CAP, C, PARTS,
+                                     STREAM_PIVOTS)
+            write_streamed(cand_row, counts, out_row, score_row, k, t, c_lo, c_hi, p, 0, total,
+                           0, CAP, C, PARTS, LOWEST, SCORES)
         else:
             t, c_lo, c_hi = streamed_kth(row_ptr, counts, k, lo, hi, BLOCK, C, STREAM_RADIX,
                                          STREAM_PIVOTS, 0)
-            write_streamed(row_ptr, counts, out_row, score_row, k, t, c_lo, c_hi, lo, hi,
-                           off, BLOCK, C, 0, LOWEST, SCORES)
+            write_streamed(row_ptr, counts, out_row, score_row, k, t, c_lo, c_hi, INT_MIN, lo,
+                           hi, off, BLOCK, C, 0, LOWEST, SCORES)
     if SLOTS:
         tl.debug_barrier()  # the row's indices, scattered by every thread, are in memory
         slot_row = slots_ptr + row.to(tl.int64) * k

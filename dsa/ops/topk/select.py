@@ -333,27 +333,42 @@ def streamed_block(src_ptr, counts_ptr, i, lo, hi, off, BLOCK: tl.constexpr,
 
 
 @triton.jit
-def streamed_multisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK: tl.constexpr,
-                       C: tl.constexpr, REGIONS: tl.constexpr, PIVOTS: tl.constexpr):
-    """The multisection of :func:`multisect_search` over a streamed source (``valid > k``;
-    see :func:`streamed_block`), once per step: (t, count(key >= t), count(key > t)) with
-    ``count(key >= t) == k`` or ``t`` the k-th largest key."""
+def search_block(src_ptr, counts_ptr, i, lo, hi, tie, BLOCK: tl.constexpr,
+                 REGIONS: tl.constexpr, TIE: tl.constexpr):
+    """Entries ``i`` of a streamed source as searched: (key, or INT_MIN outside, member);
+    TIE: only the keys equal to ``tie``, keyed by their negated output index (the largest
+    key: the lowest position)."""
+    key, idx, inside = streamed_block(src_ptr, counts_ptr, i, lo, hi, 0, BLOCK, REGIONS)
+    if TIE:
+        inside = inside & (key == tie)
+        key = -idx
+    return tl.where(inside, key, INT_MIN), inside
+
+
+@triton.jit
+def streamed_multisect(src_ptr, counts_ptr, k, count, lo, hi, base, tie,
+                       BLOCK: tl.constexpr, C: tl.constexpr, REGIONS: tl.constexpr,
+                       PIVOTS: tl.constexpr, TIE: tl.constexpr):
+    """The multisection of :func:`multisect_search` over a streamed source (``count > k``
+    members; see :func:`streamed_block` and, for TIE, :func:`search_block`), once per step:
+    (t, count(key >= t), count(key > t)) with ``count(key >= t) == k`` or ``t`` the k-th
+    largest key."""
     offs = tile(BLOCK // C, C)
-    if REGIONS:  # candidates span a few bits: a pass for [min, max] saves steps
+    if REGIONS or TIE:  # candidates span a few bits: a pass for [min, max] saves steps
         k_min = tl.full([BLOCK // C, C], INT_MAX, tl.int32)
         k_max = tl.full([BLOCK // C, C], INT_MIN, tl.int32)
         for c in range(base, hi, BLOCK):
-            key, _, inside = streamed_block(src_ptr, counts_ptr, c + offs, lo, hi, 0, BLOCK,
-                                            REGIONS)
+            key, inside = search_block(src_ptr, counts_ptr, c + offs, lo, hi, tie, BLOCK,
+                                       REGIONS, TIE)
             k_min = tl.minimum(k_min, tl.where(inside, key, INT_MAX))
-            k_max = tl.maximum(k_max, tl.where(inside, key, INT_MIN))
+            k_max = tl.maximum(k_max, key)
         t_lo = tl.min(k_min).to(tl.int64)
         t_hi = tl.max(k_max).to(tl.int64) + 1
     else:  # the domain of the row's search keys
         bits: tl.constexpr = 16 if src_ptr.dtype.element_ty == tl.bfloat16 else 32
         t_lo = tl.full([], -(2 ** (bits - 1)), tl.int64)
         t_hi = t_lo * 0 + 2 ** (bits - 1)
-    c_lo = hi - lo
+    c_lo = count
     c_hi = c_lo * 0
     while (t_hi - t_lo > 1) & (c_lo != k):
         span = t_hi - t_lo
@@ -367,9 +382,8 @@ def streamed_multisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK: tl.constexpr
             n12 = tl.zeros([BLOCK // C, C], tl.int32)
             n34 = tl.zeros([BLOCK // C, C], tl.int32)
             for c in range(base, hi, BLOCK):
-                key, _, inside = streamed_block(src_ptr, counts_ptr, c + offs, lo, hi, 0,
-                                                BLOCK, REGIONS)
-                key = tl.where(inside, key, INT_MIN)
+                key, _ = search_block(src_ptr, counts_ptr, c + offs, lo, hi, tie, BLOCK,
+                                      REGIONS, TIE)
                 n12 += packed_counts(key, m1, m2)
                 if PIVOTS == 4:
                     n34 += packed_counts(key, m3, m4)
@@ -385,9 +399,8 @@ def streamed_multisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK: tl.constexpr
             n3 = tl.zeros([BLOCK // C, C], tl.int32)
             n4 = tl.zeros([BLOCK // C, C], tl.int32)
             for c in range(base, hi, BLOCK):
-                key, _, inside = streamed_block(src_ptr, counts_ptr, c + offs, lo, hi, 0,
-                                                BLOCK, REGIONS)
-                key = tl.where(inside, key, INT_MIN)
+                key, _ = search_block(src_ptr, counts_ptr, c + offs, lo, hi, tie, BLOCK,
+                                      REGIONS, TIE)
                 n1 += (key >= m1.to(tl.int32)).to(tl.int32)
                 n2 += (key >= m2.to(tl.int32)).to(tl.int32)
                 if PIVOTS == 4:
@@ -434,19 +447,21 @@ def streamed_kth(src_ptr, counts_ptr, k, lo, hi, BLOCK: tl.constexpr, C: tl.cons
         t, c_lo, c_hi = streamed_radix(src_ptr, counts_ptr, k, lo, hi, base, BLOCK, RADIX,
                                        REGIONS)
     else:
-        t, c_lo, c_hi = streamed_multisect(src_ptr, counts_ptr, k, lo, hi, base, BLOCK, C,
-                                           REGIONS, PIVOTS)
+        t, c_lo, c_hi = streamed_multisect(src_ptr, counts_ptr, k, hi - lo, lo, hi, base, 0,
+                                           BLOCK, C, REGIONS, PIVOTS, False)
     return t, c_lo, c_hi
 
 
 @triton.jit
-def write_streamed(src_ptr, counts_ptr, out_row, score_row, k, t, c_lo, c_hi, lo, hi, off,
+def write_streamed(src_ptr, counts_ptr, out_row, score_row, k, t, c_lo, c_hi, p, lo, hi, off,
                    BLOCK: tl.constexpr, C: tl.constexpr, REGIONS: tl.constexpr,
                    LOWEST: tl.constexpr, SCORES: tl.constexpr):
     """One pass over a streamed source writing the selection of :func:`streamed_kth`'s
-    ``(t, c_lo, c_hi)``: every key >= t when ``c_lo == k``, else the keys > t and the first
-    equal ones: in the source's order with LOWEST (for a row: the lowest positions), else
-    block by block in column-major order. SCORES: as in :func:`select_write`."""
+    ``(t, c_lo, c_hi)``: every key >= t when ``c_lo == k``, else the keys > t and enough
+    equal ones; with LOWEST those of the lowest positions: for a row (in position order)
+    the first ones, for candidates those whose negated output index is >= ``p``
+    (:func:`tie_position`). Else the first ones block by block in column-major order.
+    SCORES: as in :func:`select_write`."""
     offs = tile(BLOCK // C, C)
     base = (lo // BLOCK) * BLOCK
     exact = flag(c_lo == k)
@@ -458,9 +473,11 @@ def write_streamed(src_ptr, counts_ptr, out_row, score_row, k, t, c_lo, c_hi, lo
                                           REGIONS)
         gt = inside & ((key > t) | (exact & (key == t)))
         eq = inside & (key == t) & (~exact)
+        if LOWEST & (REGIONS > 0):
+            eq = eq & (-idx >= p)
         before, total = slots(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
         eq_before = before >> 16
-        if LOWEST:  # ranked in row-major order, the source's
+        if LOWEST & (REGIONS == 0):  # ranked in row-major order: the row's
             flat = tl.ravel(eq.to(tl.int32))
             eq_before = tl.reshape(tl.cumsum(flat, 0) - flat, [BLOCK // C, C])
         pos = tl.where(gt, seen_gt + (before & 0xFFFF), n_above + seen_eq + eq_before)
@@ -470,6 +487,17 @@ def write_streamed(src_ptr, counts_ptr, out_row, score_row, k, t, c_lo, c_hi, lo
             scatter(score_row + pos, key_value(key), taken, BLOCK)
         seen_gt += total & 0xFFFF
         seen_eq += total >> 16
+
+
+@triton.jit
+def tie_position(src_ptr, counts_ptr, k, t, c_lo, c_hi, hi, BLOCK: tl.constexpr,
+                 C: tl.constexpr, REGIONS: tl.constexpr, PIVOTS: tl.constexpr):
+    """For ``hi`` candidates in regions with ``c_lo > k`` keys >= t (the k-th largest) and
+    ``c_hi`` above it: the bound ``p`` such that the ``k - c_hi`` equal keys of the lowest
+    positions are those whose negated output index is >= p (a streamed search on them)."""
+    p, _, _ = streamed_multisect(src_ptr, counts_ptr, k - c_hi, c_lo - c_hi, 0, hi, 0, t,
+                                 BLOCK, C, REGIONS, PIVOTS, True)
+    return p
 
 
 # --- kernels -----------------------------------------------------------------------------
