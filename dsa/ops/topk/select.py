@@ -149,6 +149,19 @@ def packed_counts(keys, a, b):
 
 
 @triton.jit
+def wide_counts(keys, m1, m2, m3, m4):
+    """The four counts ``count(key >= m_i)`` (each <= 2**15) of a tile, 16 bits each in one
+    int64, summed by one block reduction (a thread's elements of an ``[R, C]`` tile's
+    column first, in int32)."""
+    p12 = packed_counts(keys, m1, m2)
+    p34 = packed_counts(keys, m3, m4)
+    if len(keys.shape) == 2:
+        p12 = tl.sum(p12, axis=0)
+        p34 = tl.sum(p34, axis=0)
+    return tl.sum(p12.to(tl.int64) | (p34.to(tl.int64) << 32))
+
+
+@triton.jit
 def _add_pairs(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
 
@@ -203,8 +216,8 @@ def radix_search(keys, member, count, need, need_hi, RADIX: tl.constexpr):
 def multisect_search(keys, member, count, need, need_hi, PIVOTS: tl.constexpr):
     """:func:`kth_search` by multisection of the key bracket ``[lo, hi)`` (from one
     reduction of both ends): the PIVOTS (2 or 4) pivots of a step are counted by one block
-    reduction (two counts packed per int32), so a step costs about what a bisection step
-    does and cuts the bracket to a third (a fifth)."""
+    reduction (two counts packed per int32, or four per int64), so a step costs about what
+    a bisection step does and cuts the bracket to a third (a fifth)."""
     lo, top = tl.reduce((tl.ravel(tl.where(member, keys, INT_MAX)), tl.ravel(keys)), 0,
                         _min_max)
     lo = lo.to(tl.int64)
@@ -222,8 +235,9 @@ def multisect_search(keys, member, count, need, need_hi, PIVOTS: tl.constexpr):
         else:
             m3 = pivot(lo, span, 3, PIVOTS)
             m4 = pivot(lo, span, 4, PIVOTS)
-            p12, p34 = tl.reduce((tl.ravel(packed_counts(keys, m1, m2)),
-                                  tl.ravel(packed_counts(keys, m3, m4))), 0, _add_pairs)
+            both = wide_counts(keys, m1, m2, m3, m4)
+            p12 = both.to(tl.int32)
+            p34 = (both >> 32).to(tl.int32)
         lo, hi, c_lo, c_hi = narrow(lo, hi, c_lo, c_hi, m1, m2, m3, m4, p12 & 0xFFFF,
                                     (p12 >> 16) & 0xFFFF, p34 & 0xFFFF, (p34 >> 16) & 0xFFFF,
                                     need, PIVOTS)
