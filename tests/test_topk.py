@@ -24,6 +24,7 @@ from dsa.ops.topk.indices import (
     SEARCHES,
     SlotArgs,
     choose_parts,
+    choose_sample_groups,
     choose_select_cap,
     choose_select_warps,
     launch_topk,
@@ -289,6 +290,18 @@ def test_row_streamed_past_two_to_the_16(search):
     lengths = i32([n])
     out = launch_topk(logits, lengths, 1024, parts=1, margin=-100.0, streamed_search=search)
     check_both(logits, lengths, 1024, None, out)
+
+
+def test_choose_sample_groups():
+    """One program per row: the sample grows with the row (about 128 keys above the k-th
+    largest), up to 2**15 keys; with parts to spill into, it stays."""
+    sizes = dict(groups=512, width=4, expect=128)
+    assert choose_sample_groups(131072, 2048, 1, **sizes) == 2048
+    assert choose_sample_groups(65536, 2048, 1, **sizes) == 1024
+    assert choose_sample_groups(32768, 2048, 1, **sizes) == 512
+    assert choose_sample_groups(131072, 2048, 4, **sizes) == 512
+    assert choose_sample_groups(1 << 24, 2048, 1, **sizes) == 8192
+    assert choose_sample_groups(1 << 20, 16, 1, **sizes) == 8192
 
 
 def test_choose_select_cap():

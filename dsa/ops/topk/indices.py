@@ -310,6 +310,19 @@ def choose_select_cap(n_cols: int, k: int, *, row_cols: int = 8192) -> int:
     return min(MAX_SELECT_CAP, max(4096, triton.next_power_of_2(2 * k)))
 
 
+def choose_sample_groups(n_cols: int, k: int, parts: int, *, groups: int, width: int,
+                         expect: int) -> int:
+    """Groups of the threshold's sample: ``groups``, or, with one candidates program per row
+    (a row's candidates in one region of ``select_cap``: past it the row is searched
+    streamed, once per step), enough for about ``expect`` of the sample's keys above the
+    k-th largest of an ``n_cols`` row: the threshold's spread in row keys shrinks as
+    ``1 / sqrt(expect)``."""
+    if parts > 1:
+        return groups
+    enough = triton.next_power_of_2(max(1, -(-expect * n_cols // (k * width))))
+    return max(groups, min(enough, MAX_SELECT_CAP // width))
+
+
 def choose_select_warps(rows: int, n_cols: int, select_cap: int, *, many_rows: int = 128
                         ) -> int:
     """Warps of the select kernel: 4 when it reads many whole rows (more programs per SM),
@@ -348,8 +361,10 @@ class Tuning:
     block: columns per step of the passes over a row. row_cols: rows of at most this many
         columns are read whole by the select kernel (no candidates pass).
     sample_groups, sample_width: the threshold's sample (``sample_groups * sample_width <=
-        2**15``); margin: the threshold sits ``margin`` standard deviations of the sample
-        count below the estimated k-th largest.
+        2**15``), grown with one candidates program per row to about ``sample_expect`` keys
+        above the k-th largest (:func:`choose_sample_groups`); margin: the threshold sits
+        ``margin`` standard deviations of the sample count below the estimated k-th
+        largest.
     num_warps: the candidates pass; early_load: its first block's load is issued before
         the threshold's search (in flight during it). target_programs, min_part_cols,
         max_parts: its programs per row (:func:`choose_parts`). many_rows: the select
@@ -373,6 +388,7 @@ class Tuning:
     row_cols: int = 8192
     sample_groups: int = 512  # H200: 28.5 µs vs 31.0 at 64x64K (bench_topk_sweep)
     sample_width: int = 4
+    sample_expect: int = 128
     margin: float = 4.0
     num_warps: int = 4  # H200: 27.0 µs vs 28.5 at 64x64K, 28.6 vs 30.5 at 128x32K (8 warps)
     target_programs: int = 256
@@ -420,6 +436,8 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
                              min_part_cols=tune.min_part_cols, max_parts=tune.max_parts)
     if select_cap is None:
         select_cap = choose_select_cap(n_cols, k, row_cols=tune.row_cols)
+    sample_groups = choose_sample_groups(n_cols, k, parts, groups=sample_groups,
+                                         width=sample_width, expect=tune.sample_expect)
     if select_warps is None:
         select_warps = choose_select_warps(rows, n_cols, select_cap, many_rows=tune.many_rows)
     _power_of_two(parts=parts, block=block, finish_block=finish_block, select_cap=select_cap,
