@@ -23,6 +23,7 @@ from dsa.ops import FACES
 from dsa.ops.topk.indices import (
     SEARCHES,
     SlotArgs,
+    choose_block,
     choose_parts,
     choose_sample_groups,
     choose_select_cap,
@@ -290,6 +291,10 @@ def test_row_streamed_past_two_to_the_16(search):
     lengths = i32([n])
     out = launch_topk(logits, lengths, 1024, parts=1, margin=-100.0, streamed_search=search)
     check_both(logits, lengths, 1024, None, out)
+
+
+def test_choose_block():
+    assert choose_block(1) == 2048 and choose_block(2) == choose_block(16) == 4096
 
 
 def test_choose_sample_groups():
