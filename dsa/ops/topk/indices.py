@@ -367,7 +367,8 @@ class Tuning:
 
     block: columns per step of the passes over a row (None: :func:`choose_block`).
         row_cols: rows of at most this many columns are read whole by the select kernel
-        (no candidates pass).
+        (no candidates pass); with at least ``scale_rows`` rows, ``scale_row_cols`` (there
+        the GPU is full and the search's work per row counts, not its latency).
     sample_groups, sample_width: the threshold's sample (``sample_groups * sample_width <=
         2**15``), grown with one candidates program per row to about ``sample_expect`` keys
         above the k-th largest (:func:`choose_sample_groups`); margin: the threshold sits
@@ -394,6 +395,8 @@ class Tuning:
 
     block: int | None = None
     row_cols: int = 8192
+    scale_rows: int = 1024
+    scale_row_cols: int = 4096
     sample_groups: int = 512  # H200: 28.5 µs vs 31.0 at 64x64K (bench_topk_sweep)
     sample_width: int = 4
     sample_expect: int = 128
@@ -444,7 +447,8 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
                              min_part_cols=tune.min_part_cols, max_parts=tune.max_parts)
     block = choose_block(parts) if tune.block is None else tune.block
     if select_cap is None:
-        select_cap = choose_select_cap(n_cols, k, row_cols=tune.row_cols)
+        row_cols = tune.row_cols if rows < tune.scale_rows else tune.scale_row_cols
+        select_cap = choose_select_cap(n_cols, k, row_cols=row_cols)
     sample_groups = choose_sample_groups(n_cols, k, parts, groups=sample_groups,
                                          width=sample_width, expect=tune.sample_expect)
     if select_warps is None:
