@@ -466,7 +466,7 @@ test_topk_slots_validation = validation_test([
 
 # (rows, N) = (B * next_n, L): the benchmark shapes
 GPU_SHAPES = [(1, 4096), (1, 65536), (8, 32768), (32, 32768), (64, 65536), (128, 32768),
-              (256, 8192)]
+              (256, 8192), (2048, 8192)]
 
 
 def gpu_case(rows, n, *, full=False, seed=0, kind="normal", next_n=1):
