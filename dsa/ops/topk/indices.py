@@ -434,6 +434,8 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
         select_warps: the select kernel's warps (None = :func:`choose_select_warps`).
         tuning: fields of :class:`Tuning` replacing those of ``TUNING``.
     """
+    if scores is not None and logits.dtype != torch.float32:
+        raise ValueError(f"launch_topk: `scores` needs float32 logits, got {logits.dtype}")
     tune = replace(TUNING, **tuning)
     finish_block = tune.finish_block
     sample_groups, sample_width = tune.sample_groups, tune.sample_width
@@ -477,8 +479,6 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
             C=min(block, 128 * tune.num_warps), EARLY_LOAD=bool(tune.early_load),
             num_warps=tune.num_warps, **flags,
         )
-    if scores is not None and logits.dtype != torch.float32:
-        raise ValueError(f"launch_topk: `scores` needs float32 logits, got {logits.dtype}")
     if slots is None:  # placeholders, never read
         slot_args = (out, lengths, 0, lengths, 0, 0, 0)
         slot_flags = dict(SLOTS=False, BS=1)
