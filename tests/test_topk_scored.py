@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from faces import FACE_NAMES, face_tests, i32, opcheck_test, run_op, validation_test
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import topk_rows
 
@@ -155,6 +156,25 @@ def test_topk_scored_through_every_path(margin, search):
     scores = torch.full((5, k), 7.0)
     launch_topk(logits, lengths, k, out=indices, scores=scores, lowest=True, parts=4,
                 block=32, select_cap=128, sample_groups=16, margin=margin, finish_block=32,
+                num_warps=1, select_warps=1, search=search, streamed_search=search)
+    check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), (indices, scores),
+                  ordered=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test")
+@pytest.mark.interpret
+@settings(max_examples=20)
+@given(case=scored_cases(max_rows=3, max_cols=400), parts=st.sampled_from([1, 2, 4]),
+       block=st.sampled_from([32, 128]), cap=st.sampled_from([16, 64, 128]),
+       margin=st.sampled_from([-100.0, 4.0, 12.0, 1e9]), search=st.sampled_from(list(SEARCHES)))
+def test_topk_scored_launch_variants(case, parts, block, cap, margin, search):
+    """The same on random rows (ties, NaN, infinities, -0) under random launch shapes."""
+    logits, lengths, k, _ = case
+    rows = logits.shape[0]
+    indices = torch.full((rows, k), 7, dtype=torch.int32)
+    scores = torch.full((rows, k), 7.0)
+    launch_topk(logits, lengths, k, out=indices, scores=scores, lowest=True, parts=parts,
+                block=block, select_cap=cap, sample_groups=16, margin=margin, finish_block=32,
                 num_warps=1, select_warps=1, search=search, streamed_search=search)
     check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), (indices, scores),
                   ordered=False)
