@@ -134,31 +134,40 @@ def test_topk_scored_empty(face):
     assert indices.tolist() == [[-1] * 4] * 2 and scores.tolist() == [[-INF] * 4] * 2
 
 
+def check_scored_launch(logits: torch.Tensor, lengths: torch.Tensor, k: int, search: str,
+                        **launch) -> None:
+    """``topk_scored``'s selection as ``launch_topk`` makes it (``lowest``, ``scores``; small
+    tiles for the interpreter, ``search`` in registers and streamed) against the loop
+    reference, as sets; the outputs start poisoned."""
+    rows = logits.shape[0]
+    indices = torch.full((rows, k), 7, dtype=torch.int32)
+    scores = torch.full((rows, k), 7.0)
+    launch_topk(logits, lengths, k, out=indices, scores=scores, lowest=True, sample_groups=16,
+                finish_block=32, num_warps=1, select_warps=1, search=search,
+                streamed_search=search, **launch)
+    check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), (indices, scores),
+                  ordered=False)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test")
 @pytest.mark.interpret
 @pytest.mark.parametrize("search", list(SEARCHES))
 @pytest.mark.parametrize("margin", [-100.0, 4.0, 12.0, 1e9])
 def test_topk_scored_through_every_path(margin, search):
-    """``topk_scored``'s selection (``launch_topk`` with ``lowest`` and ``scores``) in each
-    path of the top-k kernels: rows read whole (length <= select_cap), candidates in
-    registers (margin 4), candidates streamed from their regions (12: more than
-    select_cap, each part's within its region; the k-th largest tied, so the row is
-    passed again in position order), the row streamed (-100: fewer than k candidates;
-    1e9: a part's candidates overflow its region). Ties go to the lowest positions."""
+    """``topk_scored``'s selection in each path of the top-k kernels: rows read whole
+    (length <= select_cap), candidates in registers (margin 4), candidates streamed from
+    their regions (12: more than select_cap, each part's within its region; the k-th
+    largest tied, so a second streamed search picks the lowest positions), the row
+    streamed (-100: fewer than k candidates; 1e9: a part's candidates overflow its
+    region). Ties go to the lowest positions."""
     gen = torch.Generator().manual_seed(6)
     n, k = 600, 40
     ties = torch.where(torch.arange(n) % 2 == 0, 1.0, -5.0 - torch.rand(n, generator=gen))
     ties[torch.randperm(n, generator=gen)[:20]] = 2.0 + torch.rand(20, generator=gen)
     logits = torch.stack([ties, values(gen, 1, n, "ties")[0], ties.roll(7),
                           torch.full((n,), 0.25), torch.randn(n, generator=gen)])
-    lengths = i32([n, n - 9, 593, 500, 100])
-    indices = torch.full((5, k), 7, dtype=torch.int32)
-    scores = torch.full((5, k), 7.0)
-    launch_topk(logits, lengths, k, out=indices, scores=scores, lowest=True, parts=4,
-                block=32, select_cap=128, sample_groups=16, margin=margin, finish_block=32,
-                num_warps=1, select_warps=1, search=search, streamed_search=search)
-    check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), (indices, scores),
-                  ordered=False)
+    check_scored_launch(logits, i32([n, n - 9, 593, 500, 100]), k, search, parts=4, block=32,
+                        select_cap=128, margin=margin)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test")
@@ -170,14 +179,8 @@ def test_topk_scored_through_every_path(margin, search):
 def test_topk_scored_launch_variants(case, parts, block, cap, margin, search):
     """The same on random rows (ties, NaN, infinities, -0) under random launch shapes."""
     logits, lengths, k, _ = case
-    rows = logits.shape[0]
-    indices = torch.full((rows, k), 7, dtype=torch.int32)
-    scores = torch.full((rows, k), 7.0)
-    launch_topk(logits, lengths, k, out=indices, scores=scores, lowest=True, parts=parts,
-                block=block, select_cap=cap, sample_groups=16, margin=margin, finish_block=32,
-                num_warps=1, select_warps=1, search=search, streamed_search=search)
-    check_against(ref.topk_scored(logits.numpy(), lengths.numpy(), k), (indices, scores),
-                  ordered=False)
+    check_scored_launch(logits, lengths, k, search, parts=parts, block=block, select_cap=cap,
+                        margin=margin)
 
 
 @pytest.mark.gpu
