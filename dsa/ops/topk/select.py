@@ -112,9 +112,12 @@ def gather(ptrs, mask, N: tl.constexpr):
 
 @triton.jit
 def pivot(lo, span, i: tl.constexpr, PIVOTS: tl.constexpr):
-    """Pivot ``i`` (1 .. PIVOTS) cutting ``[lo, lo + span)`` (``span >= 2``) into PIVOTS + 1
-    near-equal sections: ``lo < pivot 1 <= ... <= pivot PIVOTS < lo + span``."""
-    return lo + tl.maximum(span * i // (PIVOTS + 1), 1)
+    """Pivot ``i`` (1 .. PIVOTS) cutting ``[lo, lo + span)`` (``2 <= span <= 2**32``) into
+    PIVOTS + 1 near-equal sections: ``lo < pivot 1 <= ... <= pivot PIVOTS < lo + span``.
+    The fraction ``i / (PIVOTS + 1)`` in 16-bit fixed point (rounded down): a multiply and
+    a shift, where an int64 division by a constant costs a chain of wide multiplies."""
+    fraction: tl.constexpr = i * 65536 // (PIVOTS + 1)
+    return lo + tl.maximum((span * fraction) >> 16, 1)
 
 
 @triton.jit
