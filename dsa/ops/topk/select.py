@@ -111,41 +111,50 @@ def gather(ptrs, mask, N: tl.constexpr):
 
 
 @triton.jit
-def pivot(lo, span, i: tl.constexpr, PIVOTS: tl.constexpr):
-    """Pivot ``i`` (1 .. PIVOTS) cutting ``[lo, lo + span)`` (``span >= 2``) into PIVOTS + 1
-    near-equal sections: ``lo < pivot 1 <= ... <= pivot PIVOTS < lo + span``."""
-    return lo + tl.maximum(span * i // (PIVOTS + 1), 1)
+def pivot(lo, top, i: tl.constexpr, PIVOTS: tl.constexpr):
+    """Pivot ``i`` (1 .. PIVOTS) cutting the int32 key range ``[lo, top]`` (``lo < top``)
+    into PIVOTS + 1 near-equal sections: ``lo < pivot 1 <= ... <= pivot PIVOTS <= top``.
+    All in 32 bits but one 32 x 16-bit product: the range's width ``top - lo`` as uint32
+    (it may pass 2**31), the fraction ``i / (PIVOTS + 1)`` in 16-bit fixed point (rounded
+    down), the offset added with int32 wrap-around (the pivot itself is in range)."""
+    fraction: tl.constexpr = i * 65536 // (PIVOTS + 1)
+    width = (top - lo).to(tl.uint32, bitcast=True)
+    offset = ((width.to(tl.uint64) * fraction) >> 16).to(tl.uint32)
+    return lo + tl.maximum(offset, 1).to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def raise_bracket(lo, hi, c_lo, c_hi, m, m_next, c, c_next, need):
-    """The bracket ``[m, m_next)`` (counts c, c_next) when ``c = count(key >= m) >= need``;
+def raise_bracket(lo, top, c_lo, c_hi, m, m_top, c, c_next, need):
+    """The bracket ``[m, m_top]`` (counts c, c_next) when ``c = count(key >= m) >= need``;
     applied to the pivots in rising order, the last such one wins."""
     take = c >= need
-    return (tl.where(take, m, lo), tl.where(take, m_next, hi), tl.where(take, c, c_lo),
+    return (tl.where(take, m, lo), tl.where(take, m_top, top), tl.where(take, c, c_lo),
             tl.where(take, c_next, c_hi))
 
 
 @triton.jit
-def narrow(lo, hi, c_lo, c_hi, m1, m2, m3, m4, c1, c2, c3, c4, need, PIVOTS: tl.constexpr):
+def narrow(lo, top, c_lo, c_hi, m1, m2, m3, m4, c1, c2, c3, c4, need, PIVOTS: tl.constexpr):
     """The bracket after counting the pivots (``m3, m4, c3, c4`` unused when PIVOTS = 2):
-    (lo, hi, c_lo, c_hi) with ``c_lo = count(key >= lo) >= need > count(key >= hi) = c_hi``."""
+    (lo, top, c_lo, c_hi) with ``c_lo = count(key >= lo) >= need > count(key > top) =
+    c_hi``."""
     if PIVOTS == 2:
-        top, top_c = hi, c_hi
+        up, up_c = top, c_hi
     else:
-        top, top_c = m3, c3
-    lo2, hi2, c_lo2, c_hi2 = raise_bracket(lo, m1, c_lo, c1, m1, m2, c1, c2, need)
-    lo2, hi2, c_lo2, c_hi2 = raise_bracket(lo2, hi2, c_lo2, c_hi2, m2, top, c2, top_c, need)
+        up, up_c = m3 - 1, c3
+    lo2, top2, c_lo2, c_hi2 = raise_bracket(lo, m1 - 1, c_lo, c1, m1, m2 - 1, c1, c2, need)
+    lo2, top2, c_lo2, c_hi2 = raise_bracket(lo2, top2, c_lo2, c_hi2, m2, up, c2, up_c, need)
     if PIVOTS == 4:
-        lo2, hi2, c_lo2, c_hi2 = raise_bracket(lo2, hi2, c_lo2, c_hi2, m3, m4, c3, c4, need)
-        lo2, hi2, c_lo2, c_hi2 = raise_bracket(lo2, hi2, c_lo2, c_hi2, m4, hi, c4, c_hi, need)
-    return lo2, hi2, c_lo2, c_hi2
+        lo2, top2, c_lo2, c_hi2 = raise_bracket(lo2, top2, c_lo2, c_hi2, m3, m4 - 1, c3, c4,
+                                                need)
+        lo2, top2, c_lo2, c_hi2 = raise_bracket(lo2, top2, c_lo2, c_hi2, m4, top, c4, c_hi,
+                                                need)
+    return lo2, top2, c_lo2, c_hi2
 
 
 @triton.jit
 def packed_counts(keys, a, b):
     """``count(key >= a) | count(key >= b) << 16`` over a tile, per element (sum it)."""
-    return (keys >= a.to(tl.int32)).to(tl.int32) + ((keys >= b.to(tl.int32)).to(tl.int32) << 16)
+    return (keys >= a).to(tl.int32) + ((keys >= b).to(tl.int32) << 16)
 
 
 @triton.jit
@@ -214,34 +223,31 @@ def radix_search(keys, member, count, need, need_hi, RADIX: tl.constexpr):
 
 @triton.jit
 def multisect_search(keys, member, count, need, need_hi, PIVOTS: tl.constexpr):
-    """:func:`kth_search` by multisection of the key bracket ``[lo, hi)`` (from one
+    """:func:`kth_search` by multisection of the key bracket ``[lo, top]`` (from one
     reduction of both ends): the PIVOTS (2 or 4) pivots of a step are counted by one block
     reduction (two counts packed per int32, or four per int64), so a step costs about what
     a bisection step does and cuts the bracket to a third (a fifth)."""
     lo, top = tl.reduce((tl.ravel(tl.where(member, keys, INT_MAX)), tl.ravel(keys)), 0,
                         _min_max)
-    lo = lo.to(tl.int64)
-    hi = top.to(tl.int64) + 1
     c_lo = count
     c_hi = count * 0
-    while (hi - lo > 1) & ((c_lo < need) | (c_lo > need_hi)):
-        span = hi - lo
-        m1 = pivot(lo, span, 1, PIVOTS)
-        m2 = pivot(lo, span, 2, PIVOTS)
+    while (top > lo) & ((c_lo < need) | (c_lo > need_hi)):
+        m1 = pivot(lo, top, 1, PIVOTS)
+        m2 = pivot(lo, top, 2, PIVOTS)
         if PIVOTS == 2:
             m3, m4 = m2, m2
             p12 = tl.sum(packed_counts(keys, m1, m2))
             p34 = p12
         else:
-            m3 = pivot(lo, span, 3, PIVOTS)
-            m4 = pivot(lo, span, 4, PIVOTS)
+            m3 = pivot(lo, top, 3, PIVOTS)
+            m4 = pivot(lo, top, 4, PIVOTS)
             both = wide_counts(keys, m1, m2, m3, m4)
             p12 = both.to(tl.int32)
             p34 = (both >> 32).to(tl.int32)
-        lo, hi, c_lo, c_hi = narrow(lo, hi, c_lo, c_hi, m1, m2, m3, m4, p12 & 0xFFFF,
-                                    (p12 >> 16) & 0xFFFF, p34 & 0xFFFF, (p34 >> 16) & 0xFFFF,
-                                    need, PIVOTS)
-    return lo.to(tl.int32), c_lo
+        lo, top, c_lo, c_hi = narrow(lo, top, c_lo, c_hi, m1, m2, m3, m4, p12 & 0xFFFF,
+                                     (p12 >> 16) & 0xFFFF, p34 & 0xFFFF, (p34 >> 16) & 0xFFFF,
+                                     need, PIVOTS)
+    return lo, c_lo
 
 
 @triton.jit
@@ -276,7 +282,7 @@ def select_positions(keys, idx, member, count, k, RADIX: tl.constexpr,
         need = k - (both & 0xFFFF)
         n_eq = both >> 16
         if n_eq > need:
-            lowest = tl.where(eq, -idx, INT_MIN)
+            lowest = tl.where(eq, -idx.to(tl.int32), INT_MIN)
             p, _ = kth_search(lowest, eq, n_eq, need, need, RADIX, PIVOTS)
             eq = eq & (lowest >= p)
     before, total = slots(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
@@ -376,22 +382,21 @@ def streamed_multisect(src_ptr, counts_ptr, k, count, lo, hi, base, tie,
                                        REGIONS, TIE)
             k_min = tl.minimum(k_min, tl.where(inside, key, INT_MAX))
             k_max = tl.maximum(k_max, key)
-        t_lo = tl.min(k_min).to(tl.int64)
-        t_hi = tl.max(k_max).to(tl.int64) + 1
+        t_lo = tl.min(k_min)
+        t_top = tl.max(k_max)
     else:  # the domain of the row's search keys
         bits: tl.constexpr = 16 if src_ptr.dtype.element_ty == tl.bfloat16 else 32
-        t_lo = tl.full([], -(2 ** (bits - 1)), tl.int64)
-        t_hi = t_lo * 0 + 2 ** (bits - 1)
+        t_lo = tl.full([], -(2 ** (bits - 1)), tl.int32)
+        t_top = t_lo * 0 + (2 ** (bits - 1) - 1)
     c_lo = count
     c_hi = c_lo * 0
-    while (t_hi - t_lo > 1) & (c_lo != k):
-        span = t_hi - t_lo
-        m1 = pivot(t_lo, span, 1, PIVOTS)
-        m2 = pivot(t_lo, span, 2, PIVOTS)
+    while (t_top > t_lo) & (c_lo != k):
+        m1 = pivot(t_lo, t_top, 1, PIVOTS)
+        m2 = pivot(t_lo, t_top, 2, PIVOTS)
         m3, m4 = m2, m2
         if PIVOTS == 4:
-            m3 = pivot(t_lo, span, 3, PIVOTS)
-            m4 = pivot(t_lo, span, 4, PIVOTS)
+            m3 = pivot(t_lo, t_top, 3, PIVOTS)
+            m4 = pivot(t_lo, t_top, 4, PIVOTS)
         if (REGIONS > 0) & (REGIONS * BLOCK < 65536):  # < 2**16 candidates: two counts per int32
             n12 = tl.zeros([BLOCK // C, C], tl.int32)
             n34 = tl.zeros([BLOCK // C, C], tl.int32)
@@ -415,18 +420,18 @@ def streamed_multisect(src_ptr, counts_ptr, k, count, lo, hi, base, tie,
             for c in range(base, hi, BLOCK):
                 key, _ = search_block(src_ptr, counts_ptr, c + offs, lo, hi, tie, BLOCK,
                                       REGIONS, TIE)
-                n1 += (key >= m1.to(tl.int32)).to(tl.int32)
-                n2 += (key >= m2.to(tl.int32)).to(tl.int32)
+                n1 += (key >= m1).to(tl.int32)
+                n2 += (key >= m2).to(tl.int32)
                 if PIVOTS == 4:
-                    n3 += (key >= m3.to(tl.int32)).to(tl.int32)
-                    n4 += (key >= m4.to(tl.int32)).to(tl.int32)
+                    n3 += (key >= m3).to(tl.int32)
+                    n4 += (key >= m4).to(tl.int32)
             c1, c2 = tl.reduce((tl.ravel(n1), tl.ravel(n2)), 0, _add_pairs)
             c3, c4 = c2, c2
             if PIVOTS == 4:
                 c3, c4 = tl.reduce((tl.ravel(n3), tl.ravel(n4)), 0, _add_pairs)
-        t_lo, t_hi, c_lo, c_hi = narrow(t_lo, t_hi, c_lo, c_hi, m1, m2, m3, m4, c1, c2, c3, c4,
-                                        k, PIVOTS)
-    return t_lo.to(tl.int32), c_lo, c_hi
+        t_lo, t_top, c_lo, c_hi = narrow(t_lo, t_top, c_lo, c_hi, m1, m2, m3, m4, c1, c2, c3,
+                                         c4, k, PIVOTS)
+    return t_lo, c_lo, c_hi
 
 
 @triton.jit
