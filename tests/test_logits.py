@@ -155,9 +155,11 @@ def test_paged_logits_invalid_blocks_are_masked(face, next_n, block_size, max_le
     "config",
     [PagedLogitsConfig(tile=16, tiles_per_program=3, num_warps=2, num_stages=1),
      PagedLogitsConfig(tile=32, tiles_per_program=1),
-     PagedLogitsConfig(tile=128, tiles_per_program=2, num_warps=8, num_stages=4)],
+     PagedLogitsConfig(tile=128, tiles_per_program=2, num_warps=8, num_stages=4),
+     PagedLogitsConfig(tile=16, tiles_per_program=2, num_warps=2, num_stages=1,
+                       split_rows=True)],
 )
-@pytest.mark.parametrize("next_n", [1, 2, 4])
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4])
 def test_paged_logits_triton_configs(config, next_n):
     inputs, max_len, dequantised, exact = paged_case(4, 2, next_n, 16, 32, 64, 190)
     with ref.poisoned_empty():
@@ -235,13 +237,20 @@ def test_paged_chooser_auto_rule(monkeypatch):
     assert paged.paged_backend("triton", cuda, 64, 128, 64, 1, 64, 2**20) == "triton"
 
 
-@pytest.mark.parametrize("next_n", [1, 2, 3, 4])
-def test_paged_default_config_by_rows(next_n):
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4, 5])
+def test_paged_default_config_by_next_n(next_n):
     config = paged.paged_logits_config(64, next_n, 64, 65536)
-    rows = 64 * (4 if next_n == 3 else next_n)
-    assert (config.num_warps, config.num_stages) == paged.PAGED_WARPS_STAGES[rows]
+    split_rows, warps, stages = paged.PAGED_LAUNCH[min(next_n, 4)]
+    assert (config.split_rows, config.num_warps, config.num_stages) == (
+        split_rows and next_n <= paged.SPLIT_ROWS_MAX_NEXT_N, warps, stages)
     assert (config.tile, config.tiles_per_program) == (64, 16)
     assert paged.paged_logits_config(1, next_n, 64, 4096).tiles_per_program == 1
+
+
+def test_paged_split_rows_takes_at_most_four_rows():
+    inputs, max_len, _, _ = paged_case(1, 2, 5, 16, 32, 64, 100)
+    with pytest.raises(ValueError, match="split_rows takes next_n <= 4"):
+        paged_logits_triton(*inputs, max_len, config=PagedLogitsConfig(split_rows=True))
 
 
 def test_paged_schedule_on_cpu_is_zeros():

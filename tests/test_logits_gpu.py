@@ -258,7 +258,11 @@ def test_triton_paged_logits_configs_agree(next_n):
     valid = case.valid()
     for config in (PagedLogitsConfig(tile=128, tiles_per_program=3, num_warps=8, num_stages=3),
                    PagedLogitsConfig(tile=32, tiles_per_program=5, num_warps=4, num_stages=2),
-                   PagedLogitsConfig(tile=64, tiles_per_program=64, num_warps=8, num_stages=4)):
+                   PagedLogitsConfig(tile=64, tiles_per_program=64, num_warps=8, num_stages=4),
+                   PagedLogitsConfig(tile=64, tiles_per_program=7, num_warps=4, num_stages=4,
+                                     split_rows=True),
+                   PagedLogitsConfig(tile=128, tiles_per_program=2, num_warps=8, num_stages=3,
+                                     split_rows=True)):
         got = paged_logits_triton(*case.inputs, case.max_len, config=config)
         assert torch.equal(torch.isneginf(got), ~valid), config
         assert gpu_relative_error(got[valid], want[valid]) < 1e-6, config

@@ -46,34 +46,38 @@ class PagedLogitsConfig:
     tiles_per_program: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    split_rows: bool = False
+    """One ``[tile, heads]`` MMA per query row of the request (next_n <= 4; the K tile is
+    still read once for all of them) instead of one ``[tile, next_n * heads]`` MMA with
+    next_n padded to a power of two."""
 
 
-# (num_warps, num_stages) by the rows of the q operand (next_n * heads, padded to powers of
-# two). Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs the
-# launch decided before capture. From sm_90 builds with Triton 3.6 (ptxas; H 64, D 128, tile
-# 64, 4 stages) at 64 / 128 / 256 rows and 4 warps: 80 / 148 / 255 registers (5 / 3 / 2 CTAs
-# per SM), 223 / 315 / 482 instructions per warp per tile, no spills; 8 warps at 256 rows:
-# 140 registers (one CTA per SM) and more instructions in all. 4 stages keep 3 K tiles in
-# flight per program. Replace with the H200 sweep's winners
-# (``benchmarks/bench_logits_sweep.py --sweep``).
-PAGED_WARPS_STAGES = {64: (4, 4), 128: (4, 4), 256: (4, 4)}
+# (split_rows, num_warps, num_stages) by next_n, from the H200 runs of
+# benchmarks/bench_logits_sweep.py (H 64, D 128, tile 64, 1M and 4M keys, L2 cold; BENCHMARKS.md,
+# "paged logits launch by next_n"). next_n 1: 2 stages, 0.94-0.99x DeepGEMM (4 stages:
+# 0.89-0.92x). next_n 2 and 3: one MMA per query row (next_n 3 is not padded to 4 rows):
+# 64.4 against 69.8 us at 1M keys (next_n 2), 316.6 against 351.9 at 4M (next_n 3). next_n 4:
+# one [64, 256] MMA with 4 stages (split rows: 410 against 368 us at 4M). Fixed, not autotuned:
+# the interpreter cannot autotune and a captured graph needs the launch decided before capture.
+PAGED_LAUNCH = {1: (False, 4, 2), 2: (True, 4, 3), 3: (True, 4, 3), 4: (False, 4, 4)}
+SPLIT_ROWS_MAX_NEXT_N = 4
 
 
 def paged_logits_config(batch: int, next_n: int, num_heads: int,
                         max_context_len: int) -> PagedLogitsConfig:
     """Default launch parameters for a shape: 64-token tiles (one cache block of 64 per
     tile), about 512 programs or more, each taking at most 16 tiles of its request's context
-    (so one long request still spreads over every SM), and warps/stages from
-    ``PAGED_WARPS_STAGES``."""
+    (so one long request still spreads over every SM), and the MMA shape, warps and stages
+    from ``PAGED_LAUNCH`` (next_n past 4: next_n 4's)."""
     tile = 64
     tiles = batch * max(1, triton.cdiv(max_context_len, tile))
-    rows = triton.next_power_of_2(next_n) * triton.next_power_of_2(num_heads)
-    warps, stages = PAGED_WARPS_STAGES[min(max(rows, 64), 256)]
+    split_rows, warps, stages = PAGED_LAUNCH[min(max(next_n, 1), 4)]
     return PagedLogitsConfig(
         tile=tile,
         tiles_per_program=max(1, min(16, tiles // 512)),
         num_warps=warps,
         num_stages=stages,
+        split_rows=split_rows and next_n <= SPLIT_ROWS_MAX_NEXT_N,
     )
 
 
@@ -159,6 +163,28 @@ def _tile_blocks(bt_row, t, longest, width, num_blocks, cols, BS: tl.constexpr,
         return tl.where(ok, blk, 0).to(tl.int64), ok
 
 
+@triton.jit
+def _query_row(q_ptr, w_ptr, w_stride0, w_stride1, ctx, row0, h, d, J: tl.constexpr,
+               H: tl.constexpr, D: tl.constexpr):
+    """Query row ``row0 + J``: its ``[HP, BLOCK_D]`` q operand (padding zero), head weights
+    and context length (``ctx`` holds the request's clamped lengths)."""
+    qrow = (row0 + J).to(tl.int64)
+    q = tl.load(q_ptr + (qrow * H + h)[:, None] * D + d[None, :],
+                mask=(h < H)[:, None] & (d < D)[None, :], other=0.0)
+    w = tl.load(w_ptr + qrow * w_stride0 + h * w_stride1, mask=h < H, other=0.0)
+    return q, w, tl.sum(tl.where(tl.arange(0, ctx.shape[0]) == J, ctx, 0), axis=0)
+
+
+@triton.jit
+def _store_row(k, k_scale, q, w, ctx, ok, pos, row_ptr, max_context_len):
+    """One query row's logits over the K tile: ``[TILE, HP]`` scores, keys on the MMA's M
+    side, summed over heads within a thread and its quad."""
+    s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
+    logits = tl.sum(s, axis=1) * k_scale
+    tl.store(row_ptr + pos, tl.where(ok & (pos < ctx), logits, float("-inf")),
+             mask=pos < max_context_len)
+
+
 # Runtime ints that vary with the batch stay unspecialised: one compile per config and shape
 # family, not one per context length.
 @triton.jit(do_not_specialize=["bt_stride", "width", "num_blocks", "max_context_len",
@@ -169,7 +195,7 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
                          N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
                          NP: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr,
-                         TILE: tl.constexpr):
+                         TILE: tl.constexpr, SPLIT_ROWS: tl.constexpr):
     split = tl.program_id(0)
     b = tl.program_id(1)
     # The request's next_n rows: context lengths (clamped to the output width).
@@ -185,16 +211,30 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
     cols = tl.arange(0, TILE)
 
     # q of all (row, head) pairs as one [NP * HP, D] operand (row r = j * HP + h, padding
-    # rows zero; staged in shared memory once) and its head weights: every K tile is read
-    # once for all of the request's rows.
-    r = tl.arange(0, NP * HP)
-    row_ok = (r // HP < N) & (r % HP < H)
-    qrow = b * N + r // HP
+    # rows zero; staged in shared memory once) and its head weights, or with SPLIT_ROWS one
+    # [HP, D] operand per query row: every K tile is read once for all of the request's rows.
     d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_ptr + (qrow * H + r % HP).to(tl.int64)[:, None] * D + d[None, :],
-                mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
-    w = tl.load(w_ptr + qrow.to(tl.int64) * w_stride0 + (r % HP) * w_stride1, mask=row_ok,
-                other=0.0)
+    if SPLIT_ROWS:
+        h = tl.arange(0, HP)
+        q0, w0, ctx0 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, ctx, b * N, h, d, 0,
+                                  H, D)
+        if N > 1:
+            q1, w1, ctx1 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, ctx, b * N, h, d,
+                                      1, H, D)
+        if N > 2:
+            q2, w2, ctx2 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, ctx, b * N, h, d,
+                                      2, H, D)
+        if N > 3:
+            q3, w3, ctx3 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, ctx, b * N, h, d,
+                                      3, H, D)
+    else:
+        r = tl.arange(0, NP * HP)
+        row_ok = (r // HP < N) & (r % HP < H)
+        qrow = b * N + r // HP
+        q = tl.load(q_ptr + (qrow * H + r % HP).to(tl.int64)[:, None] * D + d[None, :],
+                    mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+        w = tl.load(w_ptr + qrow.to(tl.int64) * w_stride0 + (r % HP) * w_stride1,
+                    mask=row_ok, other=0.0)
 
     # Block ids are read one tile ahead and carried: K addresses then do not wait on a load
     # issued in their own iteration, and the pipeliner keeps num_stages - 1 K tiles in flight.
@@ -212,13 +252,28 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
         else:
             k = tl.load(value_ptr + src[:, None] + d[None, :], mask=(d < D)[None, :], other=0.0)
         k_scale = tl.load(scale_ptr + blk * SCALE_STRIDE + off)
-        # [TILE, NP * HP] scores, keys on the MMA's M side: each key's head sums stay within
-        # a thread and its quad. Row j's heads are the HP consecutive columns j * HP + h.
-        s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
-        logits = tl.sum(tl.reshape(s, (TILE, NP, HP)), axis=2) * k_scale[:, None]
-        tl.store(out_rows[None, :] + pos[:, None],
-                 tl.where(ok[:, None] & (pos[:, None] < ctx[None, :]), logits, float("-inf")),
-                 mask=store_rows & (pos < max_context_len)[:, None])
+        if SPLIT_ROWS:
+            row = out_ptr + (b * N).to(tl.int64) * out_stride
+            _store_row(k, k_scale, q0, w0, ctx0, ok, pos, row, max_context_len)
+            if N > 1:
+                _store_row(k, k_scale, q1, w1, ctx1, ok, pos, row + out_stride,
+                           max_context_len)
+            if N > 2:
+                _store_row(k, k_scale, q2, w2, ctx2, ok, pos, row + 2 * out_stride,
+                           max_context_len)
+            if N > 3:
+                _store_row(k, k_scale, q3, w3, ctx3, ok, pos, row + 3 * out_stride,
+                           max_context_len)
+        else:
+            # [TILE, NP * HP] scores, keys on the MMA's M side: each key's head sums stay
+            # within a thread and its quad. Row j's heads are the HP consecutive columns
+            # j * HP + h.
+            s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
+            logits = tl.sum(tl.reshape(s, (TILE, NP, HP)), axis=2) * k_scale[:, None]
+            tl.store(out_rows[None, :] + pos[:, None],
+                     tl.where(ok[:, None] & (pos[:, None] < ctx[None, :]), logits,
+                              float("-inf")),
+                     mask=store_rows & (pos < max_context_len)[:, None])
     for t in range(t_mid, t_end):
         pos = t * TILE + cols
         tl.store(out_rows[None, :] + pos[:, None],
@@ -235,12 +290,15 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
         return out
     if config is None:
         config = paged_logits_config(batch, next_n, num_heads, max_context_len)
-    if config.tile < 16 or config.tile & (config.tile - 1) or config.tiles_per_program < 1:
-        raise ValueError(f"dsa.paged_mqa_logits: bad Triton launch config {config}")
+    if (config.tile < 16 or config.tile & (config.tile - 1) or config.tiles_per_program < 1
+            or (config.split_rows and next_n > SPLIT_ROWS_MAX_NEXT_N)):
+        raise ValueError(f"dsa.paged_mqa_logits: bad Triton launch config {config} for "
+                         f"next_n {next_n} (split_rows takes next_n <= {SPLIT_ROWS_MAX_NEXT_N})")
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
     np_ = triton.next_power_of_2(next_n)
-    hp = max(triton.next_power_of_2(num_heads), triton.cdiv(16, np_))
+    # The MMA's N side (heads, or rows x heads) is at least 16.
+    hp = max(triton.next_power_of_2(num_heads), 16 if config.split_rows else triton.cdiv(16, np_))
     num_tiles = triton.cdiv(max_context_len, config.tile)
     grid = (triton.cdiv(num_tiles, config.tiles_per_program), batch)
     launch(_paged_logits_kernel, grid,
@@ -250,7 +308,7 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
         N=next_n, H=num_heads, D=head_dim, BS=block_size, VALUE_STRIDE=values.stride(0),
         SCALE_STRIDE=scales.stride(0), NP=np_, HP=hp,
         BLOCK_D=max(32, triton.next_power_of_2(head_dim)), TILE=config.tile,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        SPLIT_ROWS=config.split_rows, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
