@@ -120,6 +120,19 @@ def _topk_scored_cpu(logits: Tensor, lengths: Tensor, k: int, sorted: bool = Tru
 
 
 @triton.jit
+def _sorted_pairs(key, pos, real):
+    """The ``real`` (order key, position) pairs sorted by key, descending, equal keys by
+    lowest position, the others last: their positions (-1 past the real ones) and values
+    (-inf there)."""
+    entry = tl.where(real, (key.to(tl.int64) << 32) | (2147483647 - pos).to(tl.int64),
+                     -9223372036854775808)
+    entry = tl.sort(entry, descending=True)
+    taken = entry != -9223372036854775808
+    return (tl.where(taken, (2147483647 - (entry & 0xFFFFFFFF)).to(tl.int32), -1),
+            tl.where(taken, key_value((entry >> 32).to(tl.int32)), float("-inf")))
+
+
+@triton.jit
 def _sort_rows_kernel(idx_ptr, score_ptr, k, KP: tl.constexpr):
     """Program per row: its k (index, score) pairs sorted in place into the module's order
     (-1 indices last)."""
@@ -127,14 +140,9 @@ def _sort_rows_kernel(idx_ptr, score_ptr, k, KP: tl.constexpr):
     j = tl.arange(0, KP)
     idx = tl.load(idx_ptr + out + j, mask=j < k, other=-1)
     key = order_key(tl.load(score_ptr + out + j, mask=j < k, other=0.0))
-    entry = tl.where(idx >= 0, (key.to(tl.int64) << 32) | (2147483647 - idx).to(tl.int64),
-                     -9223372036854775808)
-    entry = tl.sort(entry, descending=True)
-    taken = entry != -9223372036854775808
-    tl.store(idx_ptr + out + j,
-             tl.where(taken, (2147483647 - (entry & 0xFFFFFFFF)).to(tl.int32), -1), mask=j < k)
-    tl.store(score_ptr + out + j,
-             tl.where(taken, key_value((entry >> 32).to(tl.int32)), float("-inf")), mask=j < k)
+    idx, score = _sorted_pairs(key, idx, idx >= 0)
+    tl.store(idx_ptr + out + j, idx, mask=j < k)
+    tl.store(score_ptr + out + j, score, mask=j < k)
 
 
 def launch_topk_scored(logits: Tensor, lengths: Tensor, k: int, sorted: bool = True, *,
@@ -220,17 +228,10 @@ def _dcp_merge_kernel(score_ptr, idx_ptr, out_idx_ptr, out_score_ptr, s_rank, s_
     e = tl.arange(0, NP)
     pos, key, real = _candidates(score_ptr, idx_ptr, token, s_rank, s_token, i_rank, i_token,
                                  k, n, e)
-    count = tl.sum(real.to(tl.int32))
-    entry = tl.where(real, (key.to(tl.int64) << 32) | (2147483647 - pos).to(tl.int64),
-                     -9223372036854775808)
-    entry = tl.sort(entry, descending=True)
-    first = (entry >> 32).to(tl.int32)
-    taken = e < count
+    idx, score = _sorted_pairs(key, pos, real)
     out = token * k + e
-    tl.store(out_idx_ptr + out,
-             tl.where(taken, (2147483647 - (entry & 0xFFFFFFFF)).to(tl.int32), -1), mask=e < k)
-    tl.store(out_score_ptr + out,
-             tl.where(taken, key_value(first), float("-inf")), mask=e < k)
+    tl.store(out_idx_ptr + out, idx, mask=e < k)
+    tl.store(out_score_ptr + out, score, mask=e < k)
 
 
 @triton.jit

@@ -277,15 +277,15 @@ def select_positions(keys, idx, member, count, k, RADIX: tl.constexpr,
     # keys > t are all taken (fewer than k), then keys == t up to k
     gt = member & (keys > t)
     eq = member & (keys == t)
+    before, total = slots(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
     if LOWEST:
-        both = tl.sum(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
-        need = k - (both & 0xFFFF)
-        n_eq = both >> 16
+        need = k - (total & 0xFFFF)
+        n_eq = total >> 16
         if n_eq > need:
             lowest = tl.where(eq, -idx.to(tl.int32), INT_MIN)
             p, _ = kth_search(lowest, eq, n_eq, need, need, RADIX, PIVOTS)
             eq = eq & (lowest >= p)
-    before, total = slots(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
+            before, total = slots(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
     pos = tl.where(gt, before & 0xFFFF, (total & 0xFFFF) + (before >> 16))
     return (gt | eq) & (pos < k), pos
 
