@@ -227,8 +227,8 @@ def test_paged_chooser_auto_rule(monkeypatch):
     # the H200 shapes: 1x4K, 1x64K, 8x32K to dsa's kernel; 64x16K, 1x1M to DeepGEMM
     assert [choose(1, b, n) for b, n in ((1, 4096), (1, 65536), (8, 32768), (64, 16384),
                                          (1, 2**20))] == ["triton"] * 3 + ["deepgemm"] * 2
-    assert [choose(2, b, n) for b, n in ((1, 4096), (1, 65536), (8, 32768))] == [
-        "triton", "triton", "deepgemm"]
+    assert [choose(2, b, n) for b, n in ((1, 4096), (1, 65536), (8, 32768), (8, 65536),
+                                         (1, 2**20))] == ["triton"] * 3 + ["deepgemm"] * 2
     assert [choose(1, b, n) for b, n in ((1, None), (None, 4096))] == ["deepgemm"] * 2
     monkeypatch.setattr(paged, "AUTO_TRITON_MAX_KEYS", {1: 4 * 100})
     assert [choose(1, b, 100) for b in (1, 4, 5)] == ["triton"] * 2 + ["deepgemm"]
