@@ -10,10 +10,9 @@ it runs (next_n <= 2 on SM90, schedule precomputed): µs, achieved GB/s (K-cache
 and % of the HBM floor (K-cache bytes / the copy bandwidth measured in the same run). The
 fp8 compute floor (2·B·L·next_n·H·D flops at the fp8 GEMM rate measured in the run) bounds
 next_n 3-4 too; "of floor" is against the larger of the two. Each time is the median of a
-one-call CUDA graph replayed by
-``triton.testing.do_bench``, which writes 256 MB before every replay: L2 (50 MB) is cold
-where the working set fits in it and makes no difference above. Every launch is first
-checked against dsa's CPU face (plain torch).
+one-call CUDA graph replayed by ``triton.testing.do_bench``, which writes 256 MB before
+every replay: L2 (50 MB) is cold where the working set fits in it and makes no difference
+above. Every launch is first checked against dsa's CPU face (plain torch).
 
 Sweep: each launch captured ten times in one CUDA graph, the replay timed (median); per
 shape the fastest configs, the default (``paged_logits_config``) and DeepGEMM.
@@ -220,8 +219,9 @@ def run_table(out: str | None) -> None:
 
 def candidates(next_n: int, context: int) -> list[PagedLogitsConfig]:
     configs = []
-    splits_rows = (False, True) if 1 < next_n <= SPLIT_ROWS_MAX_NEXT_N else (False,)
-    for (tile, warps), stages, split_rows in itertools.product(TILE_WARPS, STAGES, splits_rows):
+    split_options = (False, True) if 1 < next_n <= SPLIT_ROWS_MAX_NEXT_N else (False,)
+    for (tile, warps), stages, split_rows in itertools.product(TILE_WARPS, STAGES,
+                                                                split_options):
         tiles = -(-context // tile)
         seen = set()
         for per_program in TILES_PER_PROGRAM:

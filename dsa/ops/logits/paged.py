@@ -54,7 +54,7 @@ class PagedLogitsConfig:
 
 # (split_rows, num_warps, num_stages) by next_n, from the H200 runs of
 # benchmarks/bench_logits_sweep.py (H 64, D 128, tile 64, 1M and 4M keys, L2 cold; BENCHMARKS.md,
-# "paged logits launch by next_n"). next_n 1: 2 stages, 0.94-0.99x DeepGEMM (4 stages:
+# "Session of 2026-12-01, sixth"). next_n 1: 2 stages, 0.94-0.99x DeepGEMM (4 stages:
 # 0.89-0.92x). next_n 2 and 3: one MMA per query row (next_n 3 is not padded to 4 rows):
 # 64.4 against 69.8 us at 1M keys (next_n 2), 316.6 against 351.9 at 4M (next_n 3). next_n 4:
 # one [64, 256] MMA with 4 stages (split rows: 410 against 368 us at 4M). Fixed, not autotuned:
