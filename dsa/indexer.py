@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
@@ -249,9 +248,10 @@ class Indexer(nn.Module):
     def _project(self, hidden: Tensor, q_latent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q ``[T, H, D]``, k ``[T, D]`` (normed) and the head weights, before RoPE."""
         q = rearrange(self.wq_b(q_latent), "t (h d) -> t h d", d=self.cfg.head_dim)
-        k = self.wk(hidden)
-        k = self.k_norm(k.float()).to(k.dtype)
-        return q, k, F.linear(hidden.float(), self.weights_proj.weight.float())
+        k, weights = ops.project_k_and_weights(hidden, self.wk.weight, self.k_norm.weight,
+                                               self.k_norm.bias, self.k_norm.eps,
+                                               self.weights_proj.weight)
+        return q, k, weights
 
     def _decode_topk(self, q_fp8: Tensor, head_weights: Tensor, meta: DecodeMetadata
                      ) -> tuple[Tensor, Tensor, Tensor | None]:
