@@ -3,7 +3,7 @@
 
     python benchmarks/bench_project.py [--out BENCHMARKS.md]
 
-For T = 1, 4, 16 and 64 tokens at DeepSeek V3.2's sizes (hidden 7168, D 128, H 64, bf16
+For T = 1, 2, 4 and 8 tokens at DeepSeek V3.2's sizes (hidden 7168, D 128, H 64, bf16
 hidden and ``wk``, fp32 ``weights_proj`` and LayerNorm): ``wk`` + LayerNorm + the cast and
 the fp32 ``weights_proj`` GEMM as the layer computed them (``torch.compile(fullgraph=True)``)
 against the op (its two kernels up to ``SMALL_TOKENS`` tokens, the same torch ops above).
@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE))
 from _report import add_row, copy_bandwidth, graph_us, markdown_table, publish, report  # noqa: E402
 from bench_prologue import kernels_per_call  # noqa: E402
 
-TOKENS = (1, 4, 16, 64)
+TOKENS = (1, 2, 4, 8)
 HIDDEN, D, H = 7168, 128, 64
 
 

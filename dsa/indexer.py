@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
@@ -18,6 +19,7 @@ from dsa.meta.decode import DecodeMetadata
 from dsa.meta.prefill import PrefillMetadata
 from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor
 from dsa.ops.dcp import owned_indices
+from dsa.ops.project import SMALL_TOKENS
 from dsa.rope import YarnScaling, rope_scaling_from_hf, rope_table
 
 ops = torch.ops.dsa
@@ -248,10 +250,15 @@ class Indexer(nn.Module):
     def _project(self, hidden: Tensor, q_latent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q ``[T, H, D]``, k ``[T, D]`` (normed) and the head weights, before RoPE."""
         q = rearrange(self.wq_b(q_latent), "t (h d) -> t h d", d=self.cfg.head_dim)
-        k, weights = ops.project_k_and_weights(hidden, self.wk.weight, self.k_norm.weight,
-                                               self.k_norm.bias, self.k_norm.eps,
-                                               self.weights_proj.weight)
-        return q, k, weights
+        if hidden.shape[0] <= SMALL_TOKENS:  # two launches instead of six
+            k, weights = ops.project_k_and_weights(hidden, self.wk.weight, self.k_norm.weight,
+                                                   self.k_norm.bias, self.k_norm.eps,
+                                                   self.weights_proj.weight)
+            return q, k, weights
+        # The GEMMs, written out so torch.compile fuses the norm and casts around them.
+        k = self.wk(hidden)
+        k = self.k_norm(k.float()).to(k.dtype)
+        return q, k, F.linear(hidden.float(), self.weights_proj.weight.float())
 
     def _decode_topk(self, q_fp8: Tensor, head_weights: Tensor, meta: DecodeMetadata
                      ) -> tuple[Tensor, Tensor, Tensor | None]:

@@ -12,8 +12,9 @@ A decode step multiplies a few tokens by two weight matrices of a few MB each. O
 ``SMALL_TOKENS`` tokens take two Triton launches: fp32 partial sums of both products over
 slices of the hidden dim, then one program per token that adds them up, rounds k to τ and
 normalises it. That replaces two GEMMs, their split-K reductions, the input cast and the
-LayerNorm. More tokens, and the CPU, take the torch ops. The sums run in fp32, in another
-order than a GEMM's.
+LayerNorm. More tokens, and the CPU, take the torch ops; ``dsa.Indexer`` calls those itself
+above ``SMALL_TOKENS`` tokens, so torch.compile fuses them with their neighbours. The sums
+run in fp32, in another order than a GEMM's.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.quant import FLOAT_DTYPES, round_to
 
-# Tokens up to which the CUDA face runs its own kernels (decode batches); more take the
-# torch ops (GEMMs).
-SMALL_TOKENS = 16
+# Tokens up to which the CUDA face runs its own kernels (a decode step of one to four
+# tokens: one request, or a few, with next_n up to 4); more take the torch ops (GEMMs).
+# H200 (BENCHMARKS.md, "Indexer projections"): at one token 6.0 us against 14.1 for the
+# compiled torch ops; at 16 tokens a tile of them (one fp32 MMA) was slower than the GEMMs.
+SMALL_TOKENS = 4
 # Columns of one weight matrix and hidden-dim elements a partial-sums program multiplies per
 # step; SLICE_STEPS steps make one program's slice of the hidden dim.
 COLS, STEP, SLICE_STEPS = 32, 128, 2
@@ -81,20 +84,18 @@ def _slice_products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo,
                     TP: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr,
                     SLICE_STEPS: tl.constexpr):
     """fp32 ``[TP, COLS]`` sums over hidden-dim elements ``lo .. lo + SLICE_STEPS * STEP`` of
-    ``x[t, :] * w[c, :]`` (``w_rows``: the ``COLS`` row pointers; masked rows count 0)."""
+    ``x[t, :] * w[c, :]`` (``w_rows``: the ``COLS`` row pointers; masked rows count 0), one
+    token at a time."""
     t = tl.arange(0, TP)
     acc = tl.zeros([TP, COLS], tl.float32)
     for step in tl.static_range(SLICE_STEPS):
         e = lo + step * STEP + tl.arange(0, STEP)
         w = tl.load(w_rows[:, None] + e[None, :].to(tl.int64) * w_s1,
                     mask=rows_ok[:, None] & (e < width)[None, :], other=0.0).to(tl.float32)
-        if TP == 1:
-            x = tl.load(x_ptr + e.to(tl.int64) * x_s1, mask=e < width, other=0.0)
-            acc += tl.sum(w * x.to(tl.float32)[None, :], axis=1)[None, :]
-        else:
-            x = tl.load(x_ptr + t[:, None].to(tl.int64) * x_s0 + e[None, :].to(tl.int64) * x_s1,
-                        mask=(t < tokens)[:, None] & (e < width)[None, :], other=0.0)
-            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        for j in tl.static_range(TP):
+            x = tl.load(x_ptr + x_s0.to(tl.int64) * j + e.to(tl.int64) * x_s1,
+                        mask=(e < width) & (e * 0 + j < tokens), other=0.0).to(tl.float32)
+            acc += tl.where(t[:, None] == j, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
     return acc
 
 
@@ -151,20 +152,23 @@ def _finish_kernel(part_ptr, slices, tokens, k_ptr, k_s0, k_s1, w_ptr, w_s0, w_s
 
 def project_triton(hidden: Tensor, wk: Tensor, norm_weight: Tensor, norm_bias: Tensor,
                    eps: float, weights_proj: Tensor, k: Tensor, weights: Tensor) -> None:
-    """The two Triton launches into ``k`` and ``weights`` (arguments already validated; meant
-    for a few tokens: a program's tile holds all of them)."""
+    """The two Triton launches into ``k`` and ``weights`` (arguments already validated; at
+    most ``SMALL_TOKENS`` tokens)."""
     tokens, width = hidden.shape
+    if tokens > SMALL_TOKENS:
+        raise ValueError(f"dsa.project_k_and_weights: the kernels take at most {SMALL_TOKENS} "
+                         f"tokens, got {tokens}")
     if tokens == 0:
         return
     head_dim, heads = wk.shape[0], weights_proj.shape[0]
     slices = triton.cdiv(width, SLICE_STEPS * STEP)
     blocks = triton.cdiv(head_dim, COLS) + triton.cdiv(heads, COLS)
-    tile = 1 if tokens == 1 else max(16, triton.next_power_of_2(tokens))
     part = torch.empty(slices, tokens, head_dim + heads, dtype=torch.float32,
                        device=hidden.device)
     launch(_partials_kernel, (slices, blocks), hidden, *hidden.stride(), wk, *wk.stride(),
            weights_proj, *weights_proj.stride(), part, tokens, width, D=head_dim, H=heads,
-           TP=tile, COLS=COLS, STEP=STEP, SLICE_STEPS=SLICE_STEPS, num_warps=4)
+           TP=triton.next_power_of_2(tokens), COLS=COLS, STEP=STEP, SLICE_STEPS=SLICE_STEPS,
+           num_warps=4)
     launch(_finish_kernel, (tokens,), part, slices, tokens, k, *k.stride(), weights,
            *weights.stride(), norm_weight, norm_bias, eps, D=head_dim, H=heads,
            DP=triton.next_power_of_2(head_dim), HP=triton.next_power_of_2(heads),
