@@ -75,7 +75,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     header = ["T", "torch warm µs", "torch flushed µs", "torch kernels", "op warm µs",
               "op flushed µs", "op kernels", "flushed speed-up", "bytes floor µs",
-              "max |k op - k torch|", "weights rel. diff"]
+              "k: max abs diff", "weights: max rel. diff"]
     rows = []
     for tokens in TOKENS:
         add_row(rows, bench_tokens(tokens, bandwidth))
