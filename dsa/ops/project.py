@@ -50,6 +50,9 @@ def _project_k_and_weights_out(hidden: Tensor, wk: Tensor, norm_weight: Tensor,
     check_tensor(op, "wk", wk, dtype=hidden.dtype, ndim=2, like=hidden)
     check_size(op, "wk", wk, 1, width, "hidden_size = hidden.shape[1]")
     head_dim = wk.shape[0]
+    if width < 1 or head_dim < 1:
+        raise ValueError(f"dsa.{op}: `wk` must be [head_dim >= 1, hidden_size >= 1], got shape "
+                         f"{tuple(wk.shape)}")
     for name, x in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
         check_tensor(op, name, x, dtype=torch.float32, ndim=1, like=hidden)
         check_size(op, name, x, 0, head_dim, "head_dim = wk.shape[0]")
