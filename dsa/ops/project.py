@@ -65,21 +65,15 @@ def _project_k_and_weights_out(hidden: Tensor, wk: Tensor, norm_weight: Tensor,
             hidden.new_empty(tokens, heads, dtype=torch.float32))
 
 
+@_project_k_and_weights_out.cpu
 def _project_torch(hidden: Tensor, wk: Tensor, norm_weight: Tensor, norm_bias: Tensor,
                    eps: float, weights_proj: Tensor) -> tuple[Tensor, Tensor]:
-    k = F.linear(hidden, wk)
-    k = F.layer_norm(k.float(), (k.shape[1],), norm_weight, norm_bias, eps).to(hidden.dtype)
-    return k, F.linear(hidden.float(), weights_proj.float())
-
-
-@_project_k_and_weights_out.cpu
-def _project_k_and_weights_cpu(hidden: Tensor, wk: Tensor, norm_weight: Tensor,
-                               norm_bias: Tensor, eps: float, weights_proj: Tensor
-                               ) -> tuple[Tensor, Tensor]:
+    """The layer's torch ops: the CPU face, and the CUDA face above ``SMALL_TOKENS``."""
     args = (hidden, wk, norm_weight, norm_bias, eps, weights_proj)
     k, weights = _project_k_and_weights_out(*args)
-    k_torch, weights_torch = _project_torch(*args)
-    return k.copy_(k_torch), weights.copy_(weights_torch)
+    k_linear = F.linear(hidden, wk).float()
+    k.copy_(F.layer_norm(k_linear, (k.shape[1],), norm_weight, norm_bias, eps))
+    return k, weights.copy_(F.linear(hidden.float(), weights_proj.float()))
 
 
 @triton.jit
@@ -183,9 +177,8 @@ def _project_k_and_weights_cuda(hidden: Tensor, wk: Tensor, norm_weight: Tensor,
                                 norm_bias: Tensor, eps: float, weights_proj: Tensor
                                 ) -> tuple[Tensor, Tensor]:
     args = (hidden, wk, norm_weight, norm_bias, eps, weights_proj)
-    k, weights = _project_k_and_weights_out(*args)
     if hidden.shape[0] > SMALL_TOKENS:
-        k_torch, weights_torch = _project_torch(*args)
-        return k.copy_(k_torch), weights.copy_(weights_torch)
+        return _project_torch(*args)
+    k, weights = _project_k_and_weights_out(*args)
     project_triton(*args, k, weights)
     return k, weights
