@@ -89,10 +89,12 @@ def _slice_products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo,
         e = lo + step * STEP + tl.arange(0, STEP)
         w = tl.load(w_rows[:, None] + e[None, :].to(tl.int64) * w_s1,
                     mask=rows_ok[:, None] & (e < width)[None, :], other=0.0).to(tl.float32)
+        x_row = x_ptr  # advanced by a stride (a plain int where Triton specialises it to 1)
         for j in tl.static_range(TP):
-            x = tl.load(x_ptr + x_s0.to(tl.int64) * j + e.to(tl.int64) * x_s1,
+            x = tl.load(x_row + e.to(tl.int64) * x_s1,
                         mask=(e < width) & (e * 0 + j < tokens), other=0.0).to(tl.float32)
             acc += tl.where(t[:, None] == j, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
+            x_row += x_s0
     return acc
 
 
