@@ -35,6 +35,33 @@ def graph_us(fn: Callable[[], object], *, replays: int = 10) -> float:
     return device_us(graph.replay) / replays
 
 
+def kernel_span_us(fn: Callable[[], object], *, reps: int = 20, flush: bool = True) -> float:
+    """Median device time in µs from the start of ``fn``'s first kernel to the end of its
+    last (torch.profiler), with the L2 flushed before each call when ``flush``: what its
+    kernels cost inside a longer graph (a model's step), without the launch latency of a
+    graph of their own."""
+    scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush else None
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            if scratch is not None:
+                scratch.zero_()
+            torch.cuda.synchronize()
+            fn()
+            torch.cuda.synchronize()
+    events = sorted((e.time_range for e in prof.events() if e.device_type.name == "CUDA"),
+                    key=lambda r: r.start)
+    per_call = len(events) // reps
+    if per_call * reps != len(events) or per_call < 1 + bool(flush):
+        raise RuntimeError(f"kernel_span_us: {len(events)} device events in {reps} calls")
+    spans = []
+    for i in range(reps):
+        call = events[i * per_call + bool(flush):(i + 1) * per_call]
+        spans.append(max(r.end for r in call) - call[0].start)
+    return statistics.median(spans)
+
+
 def host_us(fn: Callable[[], object], *, iters: int = 50) -> float:
     """Median host time of one call of ``fn`` in µs: launch work only, the GPU drained first."""
     times = []

@@ -14,8 +14,12 @@ Paths, measured in the same run on the same batch (a full bucket):
   (``host_metadata.py``, the way engines do it today).
 
 Host time: µs per call of 20 calls back to back without a sync (what the host spends per
-step while the GPU works); device time: CUDA events (``triton.testing.do_bench``). A path
-is host-bound when its host time exceeds its device time.
+step while the GPU works); device time: CUDA events (``triton.testing.do_bench``: one
+call, the L2 flushed before it, the graph's own launch latency included). A path is
+host-bound when its host time exceeds its device time. For the in-place path, also the
+span of the graph's kernels (first start to last end, torch.profiler) with the L2 flushed
+before each replay and warm: a layer's cost inside a model's graph, which pays one launch
+for all its layers.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from _report import (
     bench_parser,
     device_us,
     host_us_per_call,
+    kernel_span_us,
     markdown_table,
     publish,
     report,
@@ -42,6 +47,7 @@ from host_metadata import host_built_decode_metadata
 
 SHAPES = [(1, 4096), (64, 65536), (128, 32768)]
 HIDDEN, Q_LORA_RANK = 7168, 1536  # DeepSeek V3.2
+IN_PLACE = "in place (`replay_in_place`)"
 BATCH_FIELDS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions")
 
 
@@ -106,7 +112,7 @@ def bench_shape(batch: int, length: int) -> list[list[object]]:
 
     want = runner.replay_in_place(batch).clone()
     paths = {
-        "in place (`replay_in_place`)": lambda: runner.replay_in_place(batch),
+        IN_PLACE: lambda: runner.replay_in_place(batch),
         "padding path (`load` + `replay_in_place`)": padding_path,
         **({f"padding path, {short} live requests": short_padding_path} if short < batch
            else {}),
@@ -120,8 +126,10 @@ def bench_shape(batch: int, length: int) -> list[list[object]]:
         result = (f"{100 * _overlap(got, want):.2f}% overlap" if fn is eager_step
                   else "equal" if rows_equal else "DIFFERENT")
         host, dev = host_us_per_call(fn), device_us(fn)
-        rows.append([batch, length, path, f"{host:.1f}", f"{dev:.1f}", f"{host / dev:.2f}",
-                     result])
+        kernels = (f"{kernel_span_us(fn):.1f} / {kernel_span_us(fn, flush=False):.1f}"
+                   if path == IN_PLACE else "")
+        rows.append([batch, length, path, f"{host:.1f}", f"{dev:.1f}", kernels,
+                     f"{host / dev:.2f}", result])
     return rows
 
 
@@ -135,7 +143,8 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     out = bench_parser().parse_args().out
     torch.manual_seed(0)
-    header = ["B", "L", "path", "host µs/step", "device µs/step", "host / device",
+    header = ["B", "L", "path", "host µs/step", "device µs/step",
+              "kernels µs/step (L2 flushed / warm)", "host / device",
               "top-k slots vs in place (live rows)"]
     rows = []
     for shape in SHAPES:
