@@ -205,13 +205,23 @@ class Indexer(nn.Module):
         """
         cfg = self.cfg
         self._check_inputs(hidden, q_latent, positions, meta)
-        q, k, weights = self._project(hidden, q_latent)
-        # RoPE, Hadamard, quantisation (and the K write): one launch each. The ops clamp a
-        # position outside [0, max_model_len) into the RoPE table; such a token writes no K
-        # and selects nothing (meta.valid_tokens).
+        # Projections, RoPE, Hadamard, quantisation and the K write. The ops clamp a position
+        # outside [0, max_model_len) into the RoPE table; such a token writes no K and selects
+        # nothing (meta.valid_tokens).
         rotation = (self.rope_cos_sin, positions, self.hadamard, cfg.ue8m0_scales)
-        ops.rope_hadamard_quantize_and_cache_k(k, self.kv_cache, meta.slot_mapping, *rotation)
-        q_fp8, head_weights = ops.rope_hadamard_quantize_q(q, weights, *rotation)
+        if hidden.shape[0] <= SMALL_TOKENS:  # two launches instead of about ten
+            q_fp8, head_weights = ops.project_quantize_and_cache_k(
+                hidden, q_latent, self.wq_b.weight, self.wk.weight, self.k_norm.weight,
+                self.k_norm.bias, self.k_norm.eps, self.weights_proj.weight, self.kv_cache,
+                meta.slot_mapping, *rotation)
+        else:  # GEMMs, written out so torch.compile fuses the norm and casts around them
+            q = rearrange(self.wq_b(q_latent), "t (h d) -> t h d", d=cfg.head_dim)
+            k = self.wk(hidden)
+            k = self.k_norm(k.float()).to(k.dtype)
+            weights = F.linear(hidden.float(), self.weights_proj.weight.float())
+            ops.rope_hadamard_quantize_and_cache_k(k, self.kv_cache, meta.slot_mapping,
+                                                   *rotation)
+            q_fp8, head_weights = ops.rope_hadamard_quantize_q(q, weights, *rotation)
         global_indices = None
         if isinstance(meta, DecodeMetadata):
             indices, slots, global_indices = self._decode_topk(q_fp8, head_weights, meta)
@@ -246,19 +256,6 @@ class Indexer(nn.Module):
         tokens = meta.slot_mapping.shape[0]
         for name, x in (("hidden", hidden), ("q_latent", q_latent), ("positions", positions)):
             check_size(op, name, x, 0, tokens, "the metadata's tokens")
-
-    def _project(self, hidden: Tensor, q_latent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q ``[T, H, D]``, k ``[T, D]`` (normed) and the head weights, before RoPE."""
-        q = rearrange(self.wq_b(q_latent), "t (h d) -> t h d", d=self.cfg.head_dim)
-        if hidden.shape[0] <= SMALL_TOKENS:  # two launches instead of six
-            k, weights = ops.project_k_and_weights(hidden, self.wk.weight, self.k_norm.weight,
-                                                   self.k_norm.bias, self.k_norm.eps,
-                                                   self.weights_proj.weight)
-            return q, k, weights
-        # The GEMMs, written out so torch.compile fuses the norm and casts around them.
-        k = self.wk(hidden)
-        k = self.k_norm(k.float()).to(k.dtype)
-        return q, k, F.linear(hidden.float(), self.weights_proj.weight.float())
 
     def _decode_topk(self, q_fp8: Tensor, head_weights: Tensor, meta: DecodeMetadata
                      ) -> tuple[Tensor, Tensor, Tensor | None]:

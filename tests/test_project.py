@@ -1,116 +1,162 @@
-"""dsa::project_k_and_weights (design §2, "Projections"): both faces against a float64
-reference of the documented rounding (k rounded to the input's dtype before and after its
-LayerNorm), and the CUDA face's two paths (its kernels up to SMALL_TOKENS, the torch ops
-above)."""
+"""dsa::project_quantize_and_cache_k (design §2, "Projections"): the CPU face is the layer's
+torch projections followed by the two prologue ops' CPU faces, bit for bit; the kernel face
+(two launches up to SMALL_TOKENS tokens) differs from it only by its fp32 sums' order:
+every fp8 code within one step, every scale within two roundings of the layer's dtype."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from faces import HAS_CUDA, face_tests, opcheck_test, run_op, validation_test
+from faces import HAS_CUDA, face_tests, opcheck_test, validation_test
 from hypothesis import strategies as st
+from test_kcache import random_cache, random_slots
+from test_prologue import signed_steps
 
-from dsa.ops.project import SMALL_TOKENS, project_triton
+from dsa.ops import FACES
+from dsa.ops.kcache import kcache_views
+from dsa.ops.project import SMALL_TOKENS, project_torch, project_triton
+from dsa.rope import rope_table
 
-OP = "project_k_and_weights"
-# Mantissa bits of each dtype, capped at what fp32 sums over the hidden dim keep.
-PRECISION_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 18}
+OP = "project_quantize_and_cache_k"
+Q_OP, K_OP = "rope_hadamard_quantize_q", "rope_hadamard_quantize_and_cache_k"
 
 
-def project_case(seed: int, tokens: int, width: int, head_dim: int, heads: int,
-                 dtype: torch.dtype) -> tuple:
+def project_case(seed: int, tokens: int, width: int, q_width: int, heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, rope_dim: int | None = None,
+                 hadamard: bool = True, ue8m0: bool = False, block_size: int = 4) -> tuple:
+    """The op's arguments: weights scaled like a trained layer's, a random cache of three
+    blocks, slots that are valid, -1, huge or past the cache, positions partly outside
+    the RoPE table."""
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(tokens, width, generator=gen).to(dtype)
+    q_latent = torch.randn(tokens, q_width, generator=gen).to(dtype)
+    wq_b = (torch.randn(heads * head_dim, q_width, generator=gen) * q_width**-0.5).to(dtype)
     wk = (torch.randn(head_dim, width, generator=gen) * width**-0.5).to(dtype)
     norm_weight = torch.rand(head_dim, generator=gen) + 0.5
     norm_bias = torch.randn(head_dim, generator=gen) * 0.1
     weights_proj = torch.randn(heads, width, generator=gen) * width**-0.5
-    return hidden, wk, norm_weight, norm_bias, 1e-6, weights_proj
+    cache = random_cache(gen, 3, block_size, head_dim)
+    slots = random_slots(gen, tokens, 3 * block_size)
+    cos_sin = rope_table(16, rope_dim or head_dim // 2, 10000.0)
+    positions = torch.randint(-3, 19, (tokens,), generator=gen)
+    return (hidden, q_latent, wq_b, wk, norm_weight, norm_bias, 1e-6, weights_proj, cache,
+            slots, cos_sin, positions, hadamard, ue8m0)
 
 
-def reference(hidden, wk, norm_weight, norm_bias, eps, weights_proj):
-    """float64 k (the product rounded to the input's dtype, then LayerNorm), weights, and
-    which rows of k hold a product so close to a rounding boundary of the dtype that an
-    fp32 sum may round it the other way."""
-    exact = hidden.double() @ wk.double().T
-    z = exact.to(hidden.dtype).double()
-    bound = 2.0 ** -PRECISION_BITS[torch.float32]
-    near = (exact * (1 + bound)).to(hidden.dtype) != (exact * (1 - bound)).to(hidden.dtype)
-    k = F.layer_norm(z, (z.shape[1],), norm_weight.double(), norm_bias.double(), eps)
-    return k, hidden.double() @ weights_proj.double().T, near.any(dim=1, keepdim=True)
+def run_project(face: str, args: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_fp8, head_weights, the cache after the write) of ``face`` on CPU-side ``args``
+    (the cache argument itself untouched)."""
+    args = (*args[:8], args[8].clone(), *args[9:])
+    if face == "kernel" and HAS_CUDA:
+        args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+        q_fp8, head_weights = torch.ops.dsa.project_quantize_and_cache_k(*args)
+    elif face == "kernel":
+        q_fp8, head_weights = FACES[OP].cuda(*args)
+    else:
+        q_fp8, head_weights = torch.ops.dsa.project_quantize_and_cache_k(*args)
+    return q_fp8.cpu(), head_weights.cpu(), args[8].cpu()
 
 
-def check_projection(k: torch.Tensor, weights: torch.Tensor, args: tuple) -> None:
-    hidden, _, norm_weight, _, _, weights_proj = args
-    k_ref, weights_ref, near = reference(*args)
-    assert k.dtype == hidden.dtype and weights.dtype == torch.float32
-    assert k.shape == k_ref.shape and weights.shape == weights_ref.shape
-    # k: the final rounding and fp32 LayerNorm arithmetic; on a row whose product may round
-    # the other way before the LayerNorm, one step of that moves an output by about
-    # w * ulp(z) / std, |z| / std staying under ~8 on these rows.
-    step = 2.0 ** -PRECISION_BITS[hidden.dtype]
-    w_max = norm_weight.abs().max()
-    k_tol = step * k_ref.abs() + torch.where(near, 16 * step, 2.0**-16) * w_max
-    assert bool(((k.double() - k_ref).abs() <= k_tol).all()), (k.double() - k_ref).abs().max()
-    scale = hidden.double().abs() @ weights_proj.double().abs().T
-    w_tol = hidden.shape[1] * 2.0**-24 * scale + 1e-30
-    assert bool(((weights.double() - weights_ref).abs() <= w_tol).all())
+def the_chain(args: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the op stands for on the CPU: the torch projections, then the two prologue ops."""
+    cache = args[8].clone()
+    q, k, weights = project_torch(*args[:8])
+    rotation = args[10:]
+    torch.ops.dsa.rope_hadamard_quantize_and_cache_k(k, cache, args[9], *rotation)
+    return (*torch.ops.dsa.rope_hadamard_quantize_q(q, weights, *rotation), cache)
 
 
-def check_project_k_and_weights(face, tokens, width, head_dim, heads, dtype, seed):
-    args = project_case(seed, tokens, width, head_dim, heads, dtype)
-    k, weights = run_op(face, OP, *args)
-    check_projection(k, weights, args)
+def _steps_apart(codes: torch.Tensor, want: torch.Tensor) -> int:
+    """The most fp8 steps between two tensors' codes (0 for none)."""
+    steps = (signed_steps(codes) - signed_steps(want)).abs()
+    return int(steps.max()) if steps.numel() else 0
 
 
-_SIZES = {"width": st.integers(1, 700), "head_dim": st.sampled_from([16, 32, 128]),
-          "heads": st.sampled_from([8, 32, 64]),
+def assert_within_one_step(got: tuple, want: tuple) -> None:
+    """fp8 codes within one step of each other; q scales (in the head weights) and k scales
+    within 2**-6 relative (a rounding of the layer's dtype moves an amax by 2**-8 or less);
+    cache bytes outside the written slots' rows equal."""
+    (q_fp8, head_weights, cache), (q_want, w_want, cache_want) = got, want
+    assert _steps_apart(q_fp8, q_want) <= 1
+    torch.testing.assert_close(head_weights, w_want, rtol=2.0**-6, atol=1e-30)
+    (values, scales), (values_want, scales_want) = kcache_views(cache), kcache_views(cache_want)
+    assert _steps_apart(values, values_want) <= 1
+    torch.testing.assert_close(scales, scales_want, rtol=2.0**-6, atol=0, equal_nan=True)
+
+
+def check_project(face, tokens, width, q_width, heads, head_dim, rope_div, dtype, hadamard,
+                  ue8m0, seed):
+    args = project_case(seed, tokens, width, q_width, heads, head_dim, dtype,
+                        head_dim // rope_div, hadamard, ue8m0)
+    got = run_project(face, args)
+    want = the_chain(args)
+    if face == "cpu":
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    else:
+        assert_within_one_step(got, want)
+
+
+_SIZES = {"width": st.integers(1, 700), "q_width": st.integers(1, 600),
+          "heads": st.sampled_from([1, 3, 8]), "head_dim": st.sampled_from([16, 32, 64]),
+          "rope_div": st.sampled_from([1, 2, 4]),
           "dtype": st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
-          "seed": st.integers(0, 2**31)}
-test_project_k_and_weights_cpu, test_project_k_and_weights_kernel = face_tests(
-    check_project_k_and_weights, {"tokens": st.integers(0, 40), **_SIZES},
+          "hadamard": st.booleans(), "ue8m0": st.booleans(), "seed": st.integers(0, 2**31)}
+test_project_cpu, test_project_kernel = face_tests(
+    check_project, {"tokens": st.integers(0, 9), **_SIZES},
     {"tokens": st.integers(0, SMALL_TOKENS), **_SIZES})
 
 
 @pytest.mark.parametrize("face", ["cpu", pytest.param("kernel", marks=pytest.mark.interpret)])
 def test_project_strided_inputs(face):
-    """Row-strided hidden states and weights (views into wider buffers)."""
+    """Row-strided hidden states, latents and weights (views into wider buffers)."""
     if face == "kernel" and HAS_CUDA:
-        pytest.skip("the kernel face on CUDA tensors: tests/test_project.py's GPU tests")
-    hidden, wk, norm_weight, norm_bias, eps, weights_proj = project_case(3, 3, 300, 32, 16,
-                                                                         torch.bfloat16)
-    wide = torch.zeros(3, 340, dtype=hidden.dtype)
-    wide[:, 20:320] = hidden
-    wide_wk = torch.zeros(32, 310, dtype=wk.dtype)
-    wide_wk[:, :300] = wk
-    args = (wide[:, 20:320], wide_wk[:, :300], norm_weight, norm_bias, eps, weights_proj)
-    k, weights = run_op(face, OP, *args)
-    check_projection(k, weights, args)
+        pytest.skip("the kernel face on CUDA tensors: test_project_gpu")
+    args = project_case(3, 3, 300, 200, 4, 32)
+
+    def strided(x: torch.Tensor, left: int) -> torch.Tensor:
+        wide = torch.zeros(x.shape[0], x.shape[1] + left + 7, dtype=x.dtype)
+        wide[:, left:left + x.shape[1]] = x
+        return wide[:, left:left + x.shape[1]]
+
+    strided_args = (strided(args[0], 20), strided(args[1], 3), strided(args[2], 0),
+                    strided(args[3], 5), *args[4:])
+    got = run_project(face, strided_args)
+    want = the_chain(args)
+    if face == "cpu":
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(got, want, strict=True))
+    else:
+        assert_within_one_step(got, want)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("tokens", [1, 2, SMALL_TOKENS, SMALL_TOKENS + 1, 64])
-def test_project_cuda_paths(tokens):
-    """Up to SMALL_TOKENS the kernels (against the reference); above, the torch ops on CUDA,
-    bit for bit."""
-    args = project_case(7, tokens, 7168, 128, 64, torch.bfloat16)
-    cuda_args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
-    k, weights = torch.ops.dsa.project_k_and_weights(*cuda_args)
-    check_projection(k.cpu(), weights.cpu(), args)
+@pytest.mark.parametrize("tokens", [1, 2, 3, SMALL_TOKENS, SMALL_TOKENS + 1, 64])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_project_gpu(tokens, ue8m0):
+    """V3.2's sizes: up to SMALL_TOKENS the kernels, within one fp8 step of the CPU face;
+    above, the torch projections and the prologue kernels, the same chain on CUDA bit for
+    bit."""
+    args = project_case(tokens, tokens, 7168, 1536, 64, 128, rope_dim=64, ue8m0=ue8m0,
+                        block_size=64)
+    got = run_project("kernel", args)
+    assert_within_one_step(got, the_chain(args))
     if tokens > SMALL_TOKENS:
-        hidden, wk, norm_weight, norm_bias, eps, weights_proj = cuda_args
-        k_torch = F.layer_norm(F.linear(hidden, wk).float(), (128,), norm_weight, norm_bias,
-                               eps).to(hidden.dtype)
-        assert torch.equal(k, k_torch)
-        assert torch.equal(weights, F.linear(hidden.float(), weights_proj))
+        cuda_args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+        cache = cuda_args[8].clone()
+        q, k, weights = project_torch(*cuda_args[:8])
+        FACES[K_OP].cuda(k, cache, cuda_args[9], *cuda_args[10:])
+        q_fp8, head_weights = FACES[Q_OP].cuda(q, weights, *cuda_args[10:])
+        assert torch.equal(got[0].view(torch.uint8), q_fp8.view(torch.uint8).cpu())
+        assert torch.equal(got[1], head_weights.cpu()) and torch.equal(got[2], cache.cpu())
 
 
 test_project_opcheck = opcheck_test(
-    [project_case(0, tokens, 200, 32, 16, torch.bfloat16) for tokens in (0, 1, 3)], op=OP)
+    [project_case(0, tokens, 200, 100, 4, 32) for tokens in (0, 1, 3)], op=OP)
 
-_GOOD = project_case(1, 2, 64, 16, 8, torch.bfloat16)
+_GOOD = project_case(1, 2, 64, 48, 4, 16)
 
 
 def _bad(index: int, value) -> tuple:
@@ -118,22 +164,31 @@ def _bad(index: int, value) -> tuple:
 
 
 test_project_rejects_bad_inputs = validation_test([
-    (_bad(0, _GOOD[0].to(torch.int32)), TypeError, r"project_k_and_weights: `hidden`"),
-    (_bad(1, _GOOD[1].float()), TypeError, r"`wk`"),
-    (_bad(1, _GOOD[1][:, :60]), ValueError, r"`wk`.*hidden_size"),
-    (_bad(1, _GOOD[1][:0]), ValueError, r"`wk` must be \[head_dim >= 1"),
-    ((_GOOD[0][:, :0], _GOOD[1][:, :0], *_GOOD[2:5], _GOOD[5][:, :0]), ValueError,
-     r"`wk` must be \[head_dim >= 1, hidden_size >= 1\]"),
-    (_bad(2, _GOOD[2][:8]), ValueError, r"`norm_weight`.*head_dim"),
-    (_bad(3, _GOOD[3].double()), TypeError, r"`norm_bias`"),
-    (_bad(4, 0.0), ValueError, r"`eps` must be a positive float"),
-    (_bad(5, _GOOD[5][:, :10]), ValueError, r"`weights_proj`.*hidden_size"),
+    (_bad(0, _GOOD[0].to(torch.int32)), TypeError, r"project_quantize_and_cache_k: `hidden`"),
+    (_bad(1, _GOOD[1][:1]), ValueError, r"`q_latent`.*num_tokens"),
+    (_bad(1, _GOOD[1].float()), TypeError, r"`q_latent`"),
+    (_bad(2, _GOOD[2][:60]), ValueError, r"`wq_b`.*num_heads \* head_dim"),
+    (_bad(2, _GOOD[2][:, :40]), ValueError, r"`wq_b`.*q_lora_rank"),
+    (_bad(3, _GOOD[3].float()), TypeError, r"`wk`"),
+    (_bad(3, _GOOD[3][:, :60]), ValueError, r"`wk`.*hidden_size"),
+    (_bad(3, _GOOD[3][:0]), ValueError, r"`wk` must be \[head_dim >= 1"),
+    (_bad(4, _GOOD[4][:8]), ValueError, r"`norm_weight`.*head_dim"),
+    (_bad(5, _GOOD[5].double()), TypeError, r"`norm_bias`"),
+    (_bad(6, 0.0), ValueError, r"`eps` must be a positive float"),
+    (_bad(7, _GOOD[7][:, :10]), ValueError, r"`weights_proj`.*hidden_size"),
+    (_bad(8, torch.zeros(3, 4, 1, 36, dtype=torch.uint8)), ValueError,
+     r"`kv_cache` must hold head_dim = wk.shape\[0\] = 16"),
+    (_bad(9, _GOOD[9].int()), TypeError, r"`slot_mapping`"),
+    (_bad(9, _GOOD[9][:1]), ValueError, r"`slot_mapping`.*num_tokens"),
+    (_bad(10, _GOOD[10][:, :5].contiguous()), ValueError,
+     r"`cos_sin` must be \[max_len >= 1, rope_dim\]"),
+    (_bad(11, _GOOD[11][:1]), ValueError, r"`positions`.*num_tokens"),
 ], op=OP)
 
 
 @pytest.mark.interpret
 def test_project_kernels_take_at_most_small_tokens():
-    args = project_case(0, SMALL_TOKENS + 1, 64, 16, 8, torch.float32)
-    k, weights = torch.ops.dsa.project_k_and_weights(*args)
+    args = project_case(0, SMALL_TOKENS + 1, 64, 32, 2, 16)
+    outputs = FACES[OP].fake(*args)
     with pytest.raises(ValueError, match=f"at most {SMALL_TOKENS} tokens"):
-        project_triton(*args, k, weights)
+        project_triton(*args, *outputs)

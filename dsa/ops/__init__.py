@@ -7,8 +7,9 @@ Importing this package registers the ops; ``FACES`` maps op names to their three
   ``prefill_meta``, ``dcp``, ``layout``, ``write_slots``: metadata;
 - ``pad``: a live batch padded into a captured bucket's static buffers;
 - ``quant``, ``kcache``: fp8 quantisation, the paged K cache (write, gather);
-- ``project``: the k and head-weight projections of the hidden state (k's LayerNorm included);
 - ``prologue``: RoPE, Hadamard and quantisation of q and k in one launch each;
+- ``project``: a few tokens' whole prologue from the hidden state (the three projections,
+  then the two above) in two launches;
 - ``logits/``: MQA logits (paged, ragged, DeepGEMM schedule);
 - ``topk/``: top-k selection and the index-to-slot transform.
 

@@ -1,20 +1,27 @@
-"""The indexer's k and head-weight projections of the hidden state in one op (design §2,
-"Projections").
+"""The indexer's decode prologue from the hidden state in one op (design §2, "Projections"):
+``dsa::project_quantize_and_cache_k``.
 
-``dsa::project_k_and_weights(hidden, wk, norm_weight, norm_bias, eps, weights_proj)`` →
-``(k [T, D], weights [T, H])``, what the layer's ``wk``, ``k_norm`` and ``weights_proj``
-compute::
+``project_quantize_and_cache_k(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps,
+weights_proj, kv_cache, slot_mapping, cos_sin, positions, hadamard, ue8m0)`` →
+``(q_fp8 [T, H, D], head_weights [T, H])``, and the step's K written to ``kv_cache``: the
+layer's three projections, then its two prologue ops (τ = hidden's dtype)::
 
-    k = LayerNorm(round_τ(hidden @ wk.T)) rounded to τ    (τ = hidden's dtype, LayerNorm in fp32)
+    q = round_τ(q_latent @ wq_b.T) viewed as [T, H, D]
+    k = round_τ(LayerNorm(round_τ(hidden @ wk.T)))              (LayerNorm in fp32)
     weights = hidden.float() @ weights_proj.float().T
+    rope_hadamard_quantize_and_cache_k(k, kv_cache, slot_mapping, cos_sin, positions, ...)
+    q_fp8, head_weights = rope_hadamard_quantize_q(q, weights, cos_sin, positions, ...)
 
-A decode step multiplies a few tokens by two weight matrices of a few MB each. On CUDA, up to
-``SMALL_TOKENS`` tokens take two Triton launches: fp32 partial sums of both products over
-slices of the hidden dim, then one program per token that adds them up, rounds k to τ and
-normalises it. That replaces two GEMMs, their split-K reductions, the input cast and the
-LayerNorm. More tokens, and the CPU, take the torch ops; ``dsa.Indexer`` calls those itself
-above ``SMALL_TOKENS`` tokens, so torch.compile fuses them with their neighbours. The sums
-run in fp32, in another order than a GEMM's.
+A decode step multiplies a few tokens by three weight matrices (28 MB at V3.2's sizes):
+what it costs is reading them once. On CUDA, up to ``SMALL_TOKENS`` tokens take two Triton
+launches: fp32 partial sums of the three products over slices of their inner dims, then a
+program per tile of (token, head) rows that adds up its q and weight partials and runs the
+q prologue, and one per token that adds up its k partials, normalises k and runs the k
+prologue. That replaces the GEMMs, their split-K reductions, the casts, the LayerNorm and
+the two prologue launches. The partial sums run in fp32, in another order than a GEMM's.
+More tokens, and the CPU, take the torch ops and the prologue ops' faces; ``dsa.Indexer``
+calls those itself above ``SMALL_TOKENS`` tokens, so torch.compile fuses them with their
+neighbours.
 """
 
 from __future__ import annotations
@@ -26,27 +33,60 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import check_size, check_tensor
-from dsa.ops._launch import launch
+from dsa.ops._launch import launch, row_tile, tile_warps
 from dsa.ops._registry import dsa_op
-from dsa.ops.quant import FLOAT_DTYPES, round_to
+from dsa.ops.kcache import check_kv_cache, kcache_views, load_slots, store_k_rows, write_k_rows
+from dsa.ops.prologue import (
+    check_rotation,
+    hadamard_scale,
+    k_prologue_triton,
+    load_positions,
+    q_prologue_triton,
+    rope_constexprs,
+    rope_hadamard,
+    rope_hadamard_tile,
+    rope_partner,
+)
+from dsa.ops.quant import (
+    FLOAT_DTYPES,
+    quantize_heads_into,
+    round_to,
+    store_q_rows,
+    weight_scale,
+)
 
 # Tokens up to which the CUDA face runs its own kernels (a decode step of one to four
-# tokens: one request, or a few, with next_n up to 4); more take the torch ops (GEMMs).
-# H200 (BENCHMARKS.md, "Indexer projections"): at one token 6.0 us against 14.1 for the
-# compiled torch ops; at 16 tokens a tile of them (one fp32 MMA) was slower than the GEMMs.
+# tokens: one request, or a few, with next_n up to 4); more take the GEMMs. H200
+# (BENCHMARKS.md, "Indexer projections"): k and the head weights of one token in 6.0 us
+# against 14.1 for the compiled torch ops; 16 tokens as one fp32 MMA tile were slower than
+# the GEMMs.
 SMALL_TOKENS = 4
-# Columns of one weight matrix and hidden-dim elements a partial-sums program multiplies per
-# step; SLICE_STEPS steps make one program's slice of the hidden dim.
+# Columns of a weight matrix and inner-dim elements a partial-sums program multiplies per
+# step; SLICE_STEPS steps make one program's slice of the inner dim.
 COLS, STEP, SLICE_STEPS = 32, 128, 2
+SLICE = STEP * SLICE_STEPS
 
 
-@dsa_op("project_k_and_weights")
-def _project_k_and_weights_out(hidden: Tensor, wk: Tensor, norm_weight: Tensor,
-                               norm_bias: Tensor, eps: float, weights_proj: Tensor
-                               ) -> tuple[Tensor, Tensor]:
-    op = "project_k_and_weights"
+class _Sizes:
+    """Tokens T, hidden and q_lora widths, heads H and head_dim D of a call."""
+
+    def __init__(self, hidden: Tensor, q_latent: Tensor, wk: Tensor, weights_proj: Tensor
+                 ) -> None:
+        self.tokens, self.width = hidden.shape
+        self.q_width = q_latent.shape[1]
+        self.head_dim, self.heads = wk.shape[0], weights_proj.shape[0]
+
+
+def _check(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor, norm_weight: Tensor,
+           norm_bias: Tensor, eps: float, weights_proj: Tensor, kv_cache: Tensor,
+           slot_mapping: Tensor, cos_sin: Tensor, positions: Tensor, hadamard: bool,
+           ue8m0: bool) -> _Sizes:
+    op = "project_quantize_and_cache_k"
     check_tensor(op, "hidden", hidden, dtype=FLOAT_DTYPES, ndim=2)
-    width = hidden.shape[1]
+    tokens, width = hidden.shape
+    tokens_are = (tokens, "num_tokens = hidden.shape[0]")
+    check_tensor(op, "q_latent", q_latent, dtype=hidden.dtype, ndim=2, like=hidden)
+    check_size(op, "q_latent", q_latent, 0, *tokens_are)
     check_tensor(op, "wk", wk, dtype=hidden.dtype, ndim=2, like=hidden)
     check_size(op, "wk", wk, 1, width, "hidden_size = hidden.shape[1]")
     head_dim = wk.shape[0]
@@ -60,27 +100,73 @@ def _project_k_and_weights_out(hidden: Tensor, wk: Tensor, norm_weight: Tensor,
         raise ValueError(f"dsa.{op}: `eps` must be a positive float, got {eps!r}")
     check_tensor(op, "weights_proj", weights_proj, dtype=FLOAT_DTYPES, ndim=2, like=hidden)
     check_size(op, "weights_proj", weights_proj, 1, width, "hidden_size = hidden.shape[1]")
-    tokens, heads = hidden.shape[0], weights_proj.shape[0]
-    return (hidden.new_empty(tokens, head_dim),
-            hidden.new_empty(tokens, heads, dtype=torch.float32))
+    heads = weights_proj.shape[0]
+    check_tensor(op, "wq_b", wq_b, dtype=hidden.dtype, ndim=2, like=hidden)
+    check_size(op, "wq_b", wq_b, 0, heads * head_dim,
+               "num_heads * head_dim = weights_proj.shape[0] * wk.shape[0]")
+    check_size(op, "wq_b", wq_b, 1, q_latent.shape[1], "q_lora_rank = q_latent.shape[1]")
+    if q_latent.shape[1] < 1:
+        raise ValueError(f"dsa.{op}: `q_latent` must have q_lora_rank >= 1, got shape "
+                         f"{tuple(q_latent.shape)}")
+    _, _, cache_dim = check_kv_cache(op, kv_cache, like=hidden)
+    if cache_dim != head_dim:
+        raise ValueError(f"dsa.{op}: `kv_cache` must hold head_dim = wk.shape[0] = {head_dim} "
+                         f"(shape[3] = {head_dim + 4}), got shape {tuple(kv_cache.shape)}")
+    check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, like=hidden)
+    check_size(op, "slot_mapping", slot_mapping, 0, *tokens_are)
+    check_rotation(op, cos_sin, positions, hadamard, head_dim=head_dim, like=hidden,
+                   tokens=tokens_are)
+    if not isinstance(ue8m0, bool):
+        raise TypeError(f"dsa.{op}: `ue8m0` must be a bool, got {type(ue8m0).__name__}")
+    return _Sizes(hidden, q_latent, wk, weights_proj)
 
 
-@_project_k_and_weights_out.cpu
-def _project_torch(hidden: Tensor, wk: Tensor, norm_weight: Tensor, norm_bias: Tensor,
-                   eps: float, weights_proj: Tensor) -> tuple[Tensor, Tensor]:
-    """The layer's torch ops: the CPU face, and the CUDA face above ``SMALL_TOKENS``."""
-    args = (hidden, wk, norm_weight, norm_bias, eps, weights_proj)
-    k, weights = _project_k_and_weights_out(*args)
-    k_linear = F.linear(hidden, wk).float()
-    k.copy_(F.layer_norm(k_linear, (k.shape[1],), norm_weight, norm_bias, eps))
-    return k, weights.copy_(F.linear(hidden.float(), weights_proj.float()))
+@dsa_op("project_quantize_and_cache_k", mutates_args=("kv_cache",))
+def _project_quantize_out(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
+                          norm_weight: Tensor, norm_bias: Tensor, eps: float,
+                          weights_proj: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                          cos_sin: Tensor, positions: Tensor, hadamard: bool = True,
+                          ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+    n = _check(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps, weights_proj, kv_cache,
+               slot_mapping, cos_sin, positions, hadamard, ue8m0)
+    return (hidden.new_empty((n.tokens, n.heads, n.head_dim), dtype=torch.float8_e4m3fn),
+            hidden.new_empty((n.tokens, n.heads), dtype=torch.float32))
+
+
+def project_torch(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
+                  norm_weight: Tensor, norm_bias: Tensor, eps: float, weights_proj: Tensor
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """The layer's projections as torch ops: q ``[T, H, D]``, k ``[T, D]``, the weights."""
+    head_dim = wk.shape[0]
+    q = F.linear(q_latent, wq_b).view(hidden.shape[0], wq_b.shape[0] // head_dim, head_dim)
+    k = F.layer_norm(F.linear(hidden, wk).float(), (head_dim,), norm_weight, norm_bias, eps)
+    return q, k.to(hidden.dtype), F.linear(hidden.float(), weights_proj.float())
+
+
+@_project_quantize_out.cpu
+def _project_quantize_cpu(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
+                          norm_weight: Tensor, norm_bias: Tensor, eps: float,
+                          weights_proj: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                          cos_sin: Tensor, positions: Tensor, hadamard: bool = True,
+                          ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+    outputs = _project_quantize_out(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps,
+                                    weights_proj, kv_cache, slot_mapping, cos_sin, positions,
+                                    hadamard, ue8m0)
+    q, k, weights = project_torch(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps,
+                                  weights_proj)
+    write_k_rows(rope_hadamard(k, cos_sin, positions, hadamard), kv_cache, slot_mapping, ue8m0)
+    return quantize_heads_into(*outputs, rope_hadamard(q, cos_sin, positions, hadamard),
+                               weights, ue8m0)
+
+
+# --- the kernels -----------------------------------------------------------------------------
 
 
 @triton.jit
 def _slice_products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo,
                     TP: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr,
                     SLICE_STEPS: tl.constexpr):
-    """fp32 ``[TP, COLS]`` sums over hidden-dim elements ``lo .. lo + SLICE_STEPS * STEP`` of
+    """fp32 ``[TP, COLS]`` sums over inner-dim elements ``lo .. lo + SLICE_STEPS * STEP`` of
     ``x[t, :] * w[c, :]`` (``w_rows``: the ``COLS`` row pointers; masked rows count 0), one
     token at a time."""
     t = tl.arange(0, TP)
@@ -99,88 +185,203 @@ def _slice_products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo,
 
 
 @triton.jit
-def _partials_kernel(x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wp_ptr, wp_s0, wp_s1, part_ptr,
-                     tokens, width, D: tl.constexpr, H: tl.constexpr, TP: tl.constexpr,
-                     COLS: tl.constexpr, STEP: tl.constexpr, SLICE_STEPS: tl.constexpr):
-    """Program (slice s, column block): ``part[s, t, c]`` for the block's ``COLS`` columns c
-    of ``[wk; weights_proj]`` (k's D, then the H head weights) and every token t."""
-    s = tl.program_id(0)
-    block = tl.program_id(1)
-    lo = s * (SLICE_STEPS * STEP)
+def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_s1, wp_ptr,
+                     wp_s0, wp_s1, wq_ptr, wq_s0, wq_s1, hpart_ptr, qpart_ptr, tokens, width,
+                     q_width, D: tl.constexpr, H: tl.constexpr, TP: tl.constexpr,
+                     COLS: tl.constexpr, STEP: tl.constexpr, SLICE_STEPS: tl.constexpr,
+                     H_SLICES: tl.constexpr):
+    """Program (slice s, block of COLS columns): the first ``H_SLICES`` blocks of programs
+    ``hpart[s, t, c]`` for the columns c of ``[wk; weights_proj]`` (k's D, then the H head
+    weights) over the hidden dim, the others ``qpart[s, t, c]`` for those of ``wq_b`` over
+    the q_lora dim; every token t."""
+    pid = tl.program_id(0)
+    K_BLOCKS: tl.constexpr = (D + COLS - 1) // COLS
+    H_BLOCKS: tl.constexpr = K_BLOCKS + (H + COLS - 1) // COLS
+    Q_BLOCKS: tl.constexpr = (H * D + COLS - 1) // COLS
     c = tl.arange(0, COLS)
-    k_blocks: tl.constexpr = (D + COLS - 1) // COLS
-    if block < k_blocks:
-        rows = block * COLS + c
-        acc = _slice_products(x_ptr, x_s0, x_s1, wk_ptr + rows.to(tl.int64) * wk_s0, wk_s1,
-                              rows < D, tokens, width, lo, TP, COLS, STEP, SLICE_STEPS)
-        col, col_ok = rows, rows < D
-    else:
-        rows = (block - k_blocks) * COLS + c
-        acc = _slice_products(x_ptr, x_s0, x_s1, wp_ptr + rows.to(tl.int64) * wp_s0, wp_s1,
-                              rows < H, tokens, width, lo, TP, COLS, STEP, SLICE_STEPS)
-        col, col_ok = D + rows, rows < H
     t = tl.arange(0, TP)
-    out = part_ptr + (s * tokens + t[:, None]).to(tl.int64) * (D + H) + col[None, :]
+    if pid < H_SLICES * H_BLOCKS:
+        s = pid // H_BLOCKS
+        block = pid % H_BLOCKS
+        lo = s * (SLICE_STEPS * STEP)
+        if block < K_BLOCKS:
+            rows = block * COLS + c
+            acc = _slice_products(x_ptr, x_s0, x_s1, wk_ptr + rows.to(tl.int64) * wk_s0, wk_s1,
+                                  rows < D, tokens, width, lo, TP, COLS, STEP, SLICE_STEPS)
+            col, col_ok = rows, rows < D
+        else:
+            rows = (block - K_BLOCKS) * COLS + c
+            acc = _slice_products(x_ptr, x_s0, x_s1, wp_ptr + rows.to(tl.int64) * wp_s0, wp_s1,
+                                  rows < H, tokens, width, lo, TP, COLS, STEP, SLICE_STEPS)
+            col, col_ok = D + rows, rows < H
+        out = hpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * (D + H) + col[None, :]
+    else:
+        q_pid = pid - H_SLICES * H_BLOCKS
+        s = q_pid // Q_BLOCKS
+        col = (q_pid % Q_BLOCKS) * COLS + c
+        col_ok = col < H * D
+        acc = _slice_products(ql_ptr, ql_s0, ql_s1, wq_ptr + col.to(tl.int64) * wq_s0, wq_s1,
+                              col_ok, tokens, q_width, s * (SLICE_STEPS * STEP), TP, COLS,
+                              STEP, SLICE_STEPS)
+        out = qpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * (H * D) + col[None, :]
     tl.store(out, acc, mask=(t < tokens)[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _finish_kernel(part_ptr, slices, tokens, k_ptr, k_s0, k_s1, w_ptr, w_s0, w_s1, nw_ptr,
-                   nb_ptr, eps, D: tl.constexpr, H: tl.constexpr, DP: tl.constexpr,
-                   HP: tl.constexpr, SP: tl.constexpr):
-    """Program per token: its partial sums added up over the slices; k rounded to the
-    output's dtype, then LayerNorm in fp32 (mean, then the mean square deviation)."""
-    t = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, SP)
-    row = part_ptr + (s[:, None].to(tl.int64) * tokens + t) * (D + H)
-    c = tl.arange(0, DP)
-    k = tl.sum(tl.load(row + c[None, :], mask=(s < slices)[:, None] & (c < D)[None, :],
-                       other=0.0), axis=0)
-    k = round_to(k, k_ptr.dtype.element_ty)
-    mean = tl.sum(k, axis=0) / D
-    diff = tl.where(c < D, k - mean, 0.0)
-    rstd = tl.math.rsqrt(tl.sum(diff * diff, axis=0) / D + eps)
-    y = diff * rstd * tl.load(nw_ptr + c, mask=c < D, other=0.0) + tl.load(nb_ptr + c, mask=c < D,
-                                                                           other=0.0)
-    tl.store(k_ptr + t * k_s0 + c * k_s1, round_to(y, k_ptr.dtype.element_ty), mask=c < D)
-    h = tl.arange(0, HP)
-    w = tl.sum(tl.load(row + D + h[None, :], mask=(s < slices)[:, None] & (h < H)[None, :],
-                       other=0.0), axis=0)
-    tl.store(w_ptr + t * w_s0 + h * w_s1, w, mask=h < H)
+def _summed(part_ptr, slice_stride, offs, mask, SLICES: tl.constexpr):
+    """fp32 sums over the SLICES slices of the partials at ``offs`` (0 where not ``mask``),
+    slice by slice in order."""
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SLICES):
+        acc += tl.load(part_ptr + s * slice_stride + offs, mask=mask, other=0.0)
+    return acc
 
 
-def project_triton(hidden: Tensor, wk: Tensor, norm_weight: Tensor, norm_bias: Tensor,
-                   eps: float, weights_proj: Tensor, k: Tensor, weights: Tensor) -> None:
-    """The two Triton launches into ``k`` and ``weights`` (arguments already validated; at
-    most ``SMALL_TOKENS`` tokens)."""
-    tokens, width = hidden.shape
-    if tokens > SMALL_TOKENS:
-        raise ValueError(f"dsa.project_k_and_weights: the kernels take at most {SMALL_TOKENS} "
-                         f"tokens, got {tokens}")
-    if tokens == 0:
+@triton.jit
+def _layer_norm(x, mean, rstd, nw_ptr, nb_ptr, cols, ok):
+    """``(x - mean) * rstd * w + b`` at columns ``cols`` (0 where not ``ok``)."""
+    w = tl.load(nw_ptr + cols, mask=ok, other=0.0)
+    b = tl.load(nb_ptr + cols, mask=ok, other=0.0)
+    return tl.where(ok, (x - mean) * rstd * w + b, 0.0)
+
+
+@triton.jit
+def _q_rows(pid, hpart_ptr, qpart_ptr, tokens, q_out_ptr, hw_ptr, cs_ptr, pos_ptr, max_pos, c,
+            w_scale, dtype: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, H_SLICES: tl.constexpr,
+            Q_SLICES: tl.constexpr, ROPE_DIM: tl.constexpr, HADAMARD: tl.constexpr,
+            LOG2_D: tl.constexpr, UE8M0: tl.constexpr):
+    """BLOCK_R rows of the flat ``[T * H]`` q heads: q and weight partials added up, q
+    rounded to ``dtype``, then the q prologue."""
+    d, partner, in_rope = rope_partner(BLOCK_D, ROPE_DIM)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < tokens * H
+    base = rows.to(tl.int64)[:, None] * D
+    q_stride = tokens * (H * D)
+    x = _summed(qpart_ptr, q_stride, base + d[None, :], row_ok[:, None] & (d < D)[None, :],
+                Q_SLICES)
+    other = _summed(qpart_ptr, q_stride, base + partner[None, :],
+                    row_ok[:, None] & in_rope[None, :], Q_SLICES)
+    tok = rows // H
+    pos = load_positions(pos_ptr, tok, row_ok, max_pos)
+    x = rope_hadamard_tile(round_to(x, dtype), round_to(other, dtype), row_ok, pos, cs_ptr, c,
+                           dtype, BLOCK_R, BLOCK_D, ROPE_DIM, HADAMARD, LOG2_D)
+    w = _summed(hpart_ptr, tokens * (D + H), tok.to(tl.int64) * (D + H) + D + rows % H, row_ok,
+                H_SLICES)
+    store_q_rows(x, w, rows, tokens * H, q_out_ptr, hw_ptr, w_scale, D=D, BLOCK_D=BLOCK_D,
+                 UE8M0=UE8M0)
+
+
+@triton.jit
+def _k_token(t, hpart_ptr, tokens, nw_ptr, nb_ptr, eps, slot_ptr, value_ptr, scale_ptr,
+             num_slots, cs_ptr, pos_ptr, max_pos, c, dtype: tl.constexpr, H: tl.constexpr,
+             D: tl.constexpr, BLOCK_D: tl.constexpr, H_SLICES: tl.constexpr,
+             VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, BS: tl.constexpr,
+             ROPE_DIM: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr,
+             UE8M0: tl.constexpr):
+    """Token ``t``'s k: partials added up and rounded to ``dtype``, LayerNorm, rounded (each
+    rotated column's partner from the same sums and statistics), then the k prologue."""
+    d, partner, in_rope = rope_partner(BLOCK_D, ROPE_DIM)
+    tok = t + tl.arange(0, 1)
+    slot, ok = load_slots(slot_ptr, tok, tokens, num_slots)
+    base = tok.to(tl.int64)[:, None] * (D + H)
+    h_stride = tokens * (D + H)
+    col_ok = (d < D)[None, :]
+    x = round_to(_summed(hpart_ptr, h_stride, base + d[None, :], col_ok, H_SLICES), dtype)
+    other = round_to(_summed(hpart_ptr, h_stride, base + partner[None, :], in_rope[None, :],
+                             H_SLICES), dtype)
+    mean = tl.sum(x, axis=1)[:, None] / D
+    diff = tl.where(col_ok, x - mean, 0.0)
+    rstd = tl.math.rsqrt(tl.sum(diff * diff, axis=1)[:, None] / D + eps)
+    x = round_to(_layer_norm(x, mean, rstd, nw_ptr, nb_ptr, d[None, :], col_ok), dtype)
+    other = round_to(_layer_norm(other, mean, rstd, nw_ptr, nb_ptr, partner[None, :],
+                                 in_rope[None, :]), dtype)
+    pos = load_positions(pos_ptr, tok, ok, max_pos)
+    x = rope_hadamard_tile(x, other, ok, pos, cs_ptr, c, dtype, 1, BLOCK_D, ROPE_DIM, HADAMARD,
+                           LOG2_D)
+    store_k_rows(x, slot, ok, value_ptr, scale_ptr, VALUE_STRIDE=VALUE_STRIDE,
+                 SCALE_STRIDE=SCALE_STRIDE, BS=BS, D=D, BLOCK_D=BLOCK_D, UE8M0=UE8M0)
+
+
+@triton.jit
+def _prologue_kernel(hpart_ptr, qpart_ptr, tokens, q_programs, nw_ptr, nb_ptr, eps, q_out_ptr,
+                     hw_ptr, slot_ptr, value_ptr, scale_ptr, num_slots, cs_ptr, pos_ptr,
+                     max_pos, c, w_scale, dtype: tl.constexpr, H: tl.constexpr,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                     H_SLICES: tl.constexpr, Q_SLICES: tl.constexpr,
+                     VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, BS: tl.constexpr,
+                     ROPE_DIM: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr,
+                     UE8M0: tl.constexpr):
+    """The first ``q_programs`` programs: :func:`_q_rows`; then one per token: :func:`_k_token`."""
+    pid = tl.program_id(0)
+    if pid < q_programs:
+        _q_rows(pid, hpart_ptr, qpart_ptr, tokens, q_out_ptr, hw_ptr, cs_ptr, pos_ptr, max_pos,
+                c, w_scale, dtype, H, D, BLOCK_D, BLOCK_R, H_SLICES, Q_SLICES, ROPE_DIM,
+                HADAMARD, LOG2_D, UE8M0)
+    else:
+        _k_token(pid - q_programs, hpart_ptr, tokens, nw_ptr, nb_ptr, eps, slot_ptr, value_ptr,
+                 scale_ptr, num_slots, cs_ptr, pos_ptr, max_pos, c, dtype, H, D, BLOCK_D,
+                 H_SLICES, VALUE_STRIDE, SCALE_STRIDE, BS, ROPE_DIM, HADAMARD, LOG2_D, UE8M0)
+
+
+def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
+                   norm_weight: Tensor, norm_bias: Tensor, eps: float, weights_proj: Tensor,
+                   kv_cache: Tensor, slot_mapping: Tensor, cos_sin: Tensor, positions: Tensor,
+                   hadamard: bool, ue8m0: bool, q_fp8: Tensor, head_weights: Tensor) -> None:
+    """The two Triton launches into ``q_fp8``, ``head_weights`` and the cache (arguments
+    already validated; at most ``SMALL_TOKENS`` tokens)."""
+    n = _Sizes(hidden, q_latent, wk, weights_proj)
+    if n.tokens > SMALL_TOKENS:
+        raise ValueError(f"dsa.project_quantize_and_cache_k: the kernels take at most "
+                         f"{SMALL_TOKENS} tokens, got {n.tokens}")
+    if n.tokens == 0:
         return
-    head_dim, heads = wk.shape[0], weights_proj.shape[0]
-    slices = triton.cdiv(width, SLICE_STEPS * STEP)
-    blocks = triton.cdiv(head_dim, COLS) + triton.cdiv(heads, COLS)
-    part = torch.empty(slices, tokens, head_dim + heads, dtype=torch.float32,
-                       device=hidden.device)
-    launch(_partials_kernel, (slices, blocks), hidden, *hidden.stride(), wk, *wk.stride(),
-           weights_proj, *weights_proj.stride(), part, tokens, width, D=head_dim, H=heads,
-           TP=triton.next_power_of_2(tokens), COLS=COLS, STEP=STEP, SLICE_STEPS=SLICE_STEPS,
-           num_warps=4)
-    launch(_finish_kernel, (tokens,), part, slices, tokens, k, *k.stride(), weights,
-           *weights.stride(), norm_weight, norm_bias, eps, D=head_dim, H=heads,
-           DP=triton.next_power_of_2(head_dim), HP=triton.next_power_of_2(heads),
-           SP=triton.next_power_of_2(slices), num_warps=4)
+    h_slices, q_slices = triton.cdiv(n.width, SLICE), triton.cdiv(n.q_width, SLICE)
+    h_blocks = triton.cdiv(n.head_dim, COLS) + triton.cdiv(n.heads, COLS)
+    q_blocks = triton.cdiv(n.heads * n.head_dim, COLS)
+    f32 = {"dtype": torch.float32, "device": hidden.device}
+    hpart = torch.empty(h_slices, n.tokens, n.head_dim + n.heads, **f32)
+    qpart = torch.empty(q_slices, n.tokens, n.heads * n.head_dim, **f32)
+    launch(_partials_kernel, (h_slices * h_blocks + q_slices * q_blocks,),
+           hidden, *hidden.stride(), q_latent, *q_latent.stride(), wk, *wk.stride(),
+           weights_proj, *weights_proj.stride(), wq_b, *wq_b.stride(), hpart, qpart,
+           n.tokens, n.width, n.q_width, D=n.head_dim, H=n.heads,
+           TP=triton.next_power_of_2(n.tokens), COLS=COLS, STEP=STEP,
+           SLICE_STEPS=SLICE_STEPS, H_SLICES=h_slices, num_warps=4)
+    values, scales = kcache_views(kv_cache)
+    num_blocks, block_size = scales.shape
+    block_d = triton.next_power_of_2(n.head_dim)
+    rows = n.tokens * n.heads
+    block_r = row_tile(rows, block_d)
+    q_programs = triton.cdiv(rows, block_r)
+    launch(_prologue_kernel, (q_programs + n.tokens,),
+           hpart, qpart, n.tokens, q_programs, norm_weight, norm_bias, eps,
+           q_fp8.view(torch.uint8), head_weights, slot_mapping, values.view(torch.uint8),
+           scales, num_blocks * block_size, cos_sin, positions, cos_sin.shape[0] - 1,
+           hadamard_scale(n.head_dim, hidden.dtype), weight_scale(n.heads, n.head_dim),
+           dtype=_TL_DTYPES[hidden.dtype], H=n.heads, D=n.head_dim, BLOCK_D=block_d,
+           BLOCK_R=block_r, H_SLICES=h_slices, Q_SLICES=q_slices,
+           VALUE_STRIDE=values.stride(0), SCALE_STRIDE=scales.stride(0), BS=block_size,
+           UE8M0=ue8m0, num_warps=tile_warps(block_r, block_d),
+           **rope_constexprs(n.head_dim, cos_sin, hadamard))
 
 
-@_project_k_and_weights_out.triton
-def _project_k_and_weights_cuda(hidden: Tensor, wk: Tensor, norm_weight: Tensor,
-                                norm_bias: Tensor, eps: float, weights_proj: Tensor
-                                ) -> tuple[Tensor, Tensor]:
-    args = (hidden, wk, norm_weight, norm_bias, eps, weights_proj)
-    if hidden.shape[0] > SMALL_TOKENS:
-        return _project_torch(*args)
-    k, weights = _project_k_and_weights_out(*args)
-    project_triton(*args, k, weights)
-    return k, weights
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@_project_quantize_out.triton
+def _project_quantize_cuda(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
+                           norm_weight: Tensor, norm_bias: Tensor, eps: float,
+                           weights_proj: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                           cos_sin: Tensor, positions: Tensor, hadamard: bool = True,
+                           ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+    args = (hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps, weights_proj)
+    rotation = (cos_sin, positions, hadamard, ue8m0)
+    outputs = _project_quantize_out(*args, kv_cache, slot_mapping, *rotation)
+    if hidden.shape[0] <= SMALL_TOKENS:
+        project_triton(*args, kv_cache, slot_mapping, *rotation, *outputs)
+        return outputs
+    q, k, weights = project_torch(*args)
+    k_prologue_triton(k, kv_cache, slot_mapping, *rotation)
+    q_prologue_triton(q, weights, *rotation, *outputs)
+    return outputs

@@ -35,6 +35,7 @@ from dsa.ops.kcache import (
 from dsa.ops.quant import (
     check_q,
     empty_q_outputs,
+    load_head_weights,
     quantize_heads_into,
     round_to,
     store_q_rows,
@@ -49,15 +50,23 @@ _NO_FMA = {"enable_fp_fusion": False}
 def check_rope(op: str, x: Tensor, cos_sin: Tensor, positions: Tensor, hadamard: bool) -> None:
     """The RoPE table and positions of ``x`` (``[T, ..., D]``); a power-of-two D for the
     Hadamard rotation."""
-    head_dim = x.shape[-1]
-    check_tensor(op, "cos_sin", cos_sin, dtype=torch.float32, ndim=2, contiguous=True, like=x)
+    check_rotation(op, cos_sin, positions, hadamard, head_dim=x.shape[-1], like=x,
+                   tokens=(x.shape[0], "num_tokens = x.shape[0]"))
+
+
+def check_rotation(op: str, cos_sin: Tensor, positions: Tensor, hadamard: bool, *,
+                   head_dim: int, like: Tensor, tokens: tuple[int, str]) -> None:
+    """:func:`check_rope` for rows of ``head_dim`` on ``like``'s device; ``tokens``: how many
+    positions there must be, and what that count is."""
+    check_tensor(op, "cos_sin", cos_sin, dtype=torch.float32, ndim=2, contiguous=True,
+                 like=like)
     rope_dim = cos_sin.shape[1]
     if cos_sin.shape[0] < 1 or not 0 < rope_dim <= head_dim or rope_dim % 2:
         raise ValueError(f"dsa.{op}: `cos_sin` must be [max_len >= 1, rope_dim] with rope_dim "
                          f"even and in (0, head_dim={head_dim}], got shape "
                          f"{tuple(cos_sin.shape)}")
-    check_tensor(op, "positions", positions, dtype=POSITION_DTYPES, ndim=1, like=x)
-    check_size(op, "positions", positions, 0, x.shape[0], "num_tokens = x.shape[0]")
+    check_tensor(op, "positions", positions, dtype=POSITION_DTYPES, ndim=1, like=like)
+    check_size(op, "positions", positions, 0, *tokens)
     if hadamard and head_dim & (head_dim - 1):
         raise ValueError(f"dsa.{op}: the Hadamard rotation needs a power-of-two head_dim, got "
                          f"{head_dim}")
@@ -104,23 +113,25 @@ def _fwht_rows(x, BLOCK_R: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
 
 
 @triton.jit
-def _rope_hadamard_rows(x_ptr, row_offs, col_stride, row_ok, pos, cs_ptr, c,
-                        BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                        ROPE_DIM: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr):
-    """Rows ``row_offs`` of ``x_ptr`` after RoPE at ``pos`` and the Hadamard rotation, as
-    fp32 values of ``x_ptr``'s dtype; zero past ``D`` and where not ``row_ok``."""
-    dtype: tl.constexpr = x_ptr.dtype.element_ty
+def rope_partner(BLOCK_D: tl.constexpr, ROPE_DIM: tl.constexpr):
+    """(columns ``d``, the column each rotates with: ``d ± ROPE_DIM / 2``, whether ``d`` is
+    rotated)."""
     HALF: tl.constexpr = ROPE_DIM // 2
     d = tl.arange(0, BLOCK_D)
-    in_rope = d < ROPE_DIM
+    return d, tl.where(d < HALF, d + HALF, d - HALF), d < ROPE_DIM
+
+
+@triton.jit
+def rope_hadamard_tile(x, other, row_ok, pos, cs_ptr, c, dtype: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROPE_DIM: tl.constexpr,
+                       HADAMARD: tl.constexpr, LOG2_D: tl.constexpr):
+    """fp32 rows ``x`` ``[BLOCK_R, BLOCK_D]`` (values of ``dtype``; ``other``: each rotated
+    column's partner, :func:`rope_partner`) after RoPE at ``pos`` and the Hadamard rotation,
+    rounded to ``dtype`` after each."""
+    HALF: tl.constexpr = ROPE_DIM // 2
+    d, _, in_rope = rope_partner(BLOCK_D, ROPE_DIM)
     first = d < HALF
-    base = x_ptr + row_offs[:, None]
-    x = tl.load(base + d[None, :] * col_stride, mask=row_ok[:, None] & (d < D)[None, :],
-                other=0.0).to(tl.float32)
     rope_mask = row_ok[:, None] & in_rope[None, :]
-    partner = tl.where(first, d + HALF, d - HALF)
-    other = tl.load(base + partner[None, :] * col_stride, mask=rope_mask, other=0.0)
-    other = other.to(tl.float32)
     cs = cs_ptr + pos[:, None] * ROPE_DIM + (d % HALF)[None, :]
     cos = tl.load(cs, mask=rope_mask, other=0.0)
     sin = tl.load(cs + HALF, mask=rope_mask, other=0.0)
@@ -132,14 +143,31 @@ def _rope_hadamard_rows(x_ptr, row_offs, col_stride, row_ok, pos, cs_ptr, c,
 
 
 @triton.jit
-def _load_positions(pos_ptr, tok, ok, max_pos):
+def _rope_hadamard_rows(x_ptr, row_offs, col_stride, row_ok, pos, cs_ptr, c,
+                        BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                        ROPE_DIM: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr):
+    """Rows ``row_offs`` of ``x_ptr`` after RoPE at ``pos`` and the Hadamard rotation, as
+    fp32 values of ``x_ptr``'s dtype; zero past ``D`` and where not ``row_ok``."""
+    d, partner, in_rope = rope_partner(BLOCK_D, ROPE_DIM)
+    base = x_ptr + row_offs[:, None]
+    x = tl.load(base + d[None, :] * col_stride, mask=row_ok[:, None] & (d < D)[None, :],
+                other=0.0).to(tl.float32)
+    other = tl.load(base + partner[None, :] * col_stride,
+                    mask=row_ok[:, None] & in_rope[None, :], other=0.0).to(tl.float32)
+    return rope_hadamard_tile(x, other, row_ok, pos, cs_ptr, c, x_ptr.dtype.element_ty,
+                              BLOCK_R, BLOCK_D, ROPE_DIM, HADAMARD, LOG2_D)
+
+
+@triton.jit
+def load_positions(pos_ptr, tok, ok, max_pos):
     pos = tl.load(pos_ptr + tok, mask=ok, other=0).to(tl.int64)
     return tl.minimum(tl.maximum(pos, 0), max_pos)
 
 
-def _rope_constexprs(x: Tensor, cos_sin: Tensor, hadamard: bool) -> dict:
-    """Constexprs of ``_rope_hadamard_rows`` (D is a power of two with the Hadamard)."""
-    log2_d = x.shape[-1].bit_length() - 1 if hadamard else 0
+def rope_constexprs(head_dim: int, cos_sin: Tensor, hadamard: bool) -> dict:
+    """Constexprs of :func:`rope_hadamard_tile` (D is a power of two with the Hadamard) and
+    the compile option every face's rounding needs."""
+    log2_d = head_dim.bit_length() - 1 if hadamard else 0
     return {"ROPE_DIM": cos_sin.shape[1], "HADAMARD": hadamard, "LOG2_D": log2_d, **_NO_FMA}
 
 
@@ -172,12 +200,13 @@ def _q_prologue_kernel(q_ptr, w_ptr, w_stride0, w_stride1, cs_ptr, pos_ptr, max_
                        HADAMARD: tl.constexpr, LOG2_D: tl.constexpr, UE8M0: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
-    pos = _load_positions(pos_ptr, rows // H, row_ok, max_pos)
+    pos = load_positions(pos_ptr, rows // H, row_ok, max_pos)
     x = _rope_hadamard_rows(q_ptr, rows.to(tl.int64) * D, 1, row_ok, pos, cs_ptr, c,
                             BLOCK_R=BLOCK_R, D=D, BLOCK_D=BLOCK_D, ROPE_DIM=ROPE_DIM,
                             HADAMARD=HADAMARD, LOG2_D=LOG2_D)
-    store_q_rows(x, rows, num_rows, w_ptr, w_stride0, w_stride1, out_ptr, hw_ptr, w_scale,
-                 H=H, D=D, BLOCK_D=BLOCK_D, UE8M0=UE8M0)
+    w = load_head_weights(w_ptr, w_stride0, w_stride1, rows, num_rows, H)
+    store_q_rows(x, w, rows, num_rows, out_ptr, hw_ptr, w_scale, D=D, BLOCK_D=BLOCK_D,
+                 UE8M0=UE8M0)
 
 
 def q_prologue_triton(q: Tensor, weights: Tensor, cos_sin: Tensor, positions: Tensor,
@@ -198,7 +227,7 @@ def q_prologue_triton(q: Tensor, weights: Tensor, cos_sin: Tensor, positions: Te
         hadamard_scale(head_dim, q.dtype), weight_scale(num_heads, head_dim), H=num_heads,
         D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, UE8M0=ue8m0,
         num_warps=num_warps or tile_warps(block_r, block_d),
-        **_rope_constexprs(q, cos_sin, hadamard),
+        **rope_constexprs(head_dim, cos_sin, hadamard),
     )
 
 
@@ -238,7 +267,7 @@ def _k_prologue_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, value_ptr, scale_p
                        HADAMARD: tl.constexpr, LOG2_D: tl.constexpr, UE8M0: tl.constexpr):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot, ok = load_slots(slot_ptr, tok, num_tokens, num_slots)
-    pos = _load_positions(pos_ptr, tok, ok, max_pos)
+    pos = load_positions(pos_ptr, tok, ok, max_pos)
     x = _rope_hadamard_rows(k_ptr, tok.to(tl.int64) * k_stride0, k_stride1, ok, pos, cs_ptr, c,
                             BLOCK_R=BLOCK_T, D=D, BLOCK_D=BLOCK_D, ROPE_DIM=ROPE_DIM,
                             HADAMARD=HADAMARD, LOG2_D=LOG2_D)
@@ -253,7 +282,8 @@ def k_prologue_triton(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, cos_sin
     ``launch_k_rows``')."""
     launch_k_rows(_k_prologue_kernel, k, kv_cache, slot_mapping, cos_sin, positions,
                   cos_sin.shape[0] - 1, hadamard_scale(k.shape[1], k.dtype), block_t=block_t,
-                  num_warps=num_warps, UE8M0=ue8m0, **_rope_constexprs(k, cos_sin, hadamard))
+                  num_warps=num_warps, UE8M0=ue8m0,
+                  **rope_constexprs(k.shape[1], cos_sin, hadamard))
 
 
 @_check_k_prologue.cuda

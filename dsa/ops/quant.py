@@ -163,10 +163,19 @@ def _quantize_q_cpu(q: Tensor, weights: Tensor, ue8m0: bool = False) -> tuple[Te
 
 
 @triton.jit
-def store_q_rows(x, rows, num_rows, w_ptr, w_stride0, w_stride1, out_ptr, hw_ptr, w_scale,
-                 H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, UE8M0: tl.constexpr):
+def load_head_weights(w_ptr, w_stride0, w_stride1, rows, num_rows, H: tl.constexpr):
+    """fp32 weights of rows ``rows`` of the flat ``[T * H]`` heads (0 past ``num_rows``)."""
+    w = tl.load(w_ptr + (rows // H) * w_stride0 + (rows % H) * w_stride1, mask=rows < num_rows,
+                other=0.0)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def store_q_rows(x, w, rows, num_rows, out_ptr, hw_ptr, w_scale, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr, UE8M0: tl.constexpr):
     """Quantises fp32 ``x`` ``[BLOCK_R, BLOCK_D]`` (rows ``rows`` of the flat ``[T * H]``
-    heads, zero past ``D`` and ``num_rows``): stores the codes and the head weights."""
+    heads, zero past ``D`` and ``num_rows``): stores the codes and the head weights (from
+    the rows' fp32 weights ``w``)."""
     d = tl.arange(0, BLOCK_D)
     row_ok = rows < num_rows
     x = nan_to_num(x)
@@ -174,8 +183,7 @@ def store_q_rows(x, rows, num_rows, w_ptr, w_stride0, w_stride1, out_ptr, hw_ptr
     offs = rows.to(tl.int64)[:, None] * D + d[None, :]
     tl.store(out_ptr + offs, fp8_e4m3_bits(tl.div_rn(x, scale[:, None])),
              mask=row_ok[:, None] & (d < D)[None, :])
-    w = tl.load(w_ptr + (rows // H) * w_stride0 + (rows % H) * w_stride1, mask=row_ok, other=0.0)
-    tl.store(hw_ptr + rows, w.to(tl.float32) * w_scale * scale, mask=row_ok)
+    tl.store(hw_ptr + rows, w * w_scale * scale, mask=row_ok)
 
 
 @triton.jit
@@ -186,8 +194,9 @@ def _quantize_q_kernel(q_ptr, w_ptr, w_stride0, w_stride1, out_ptr, hw_ptr, num_
     d = tl.arange(0, BLOCK_D)
     mask = (rows < num_rows)[:, None] & (d < D)[None, :]
     x = tl.load(q_ptr + rows.to(tl.int64)[:, None] * D + d[None, :], mask=mask, other=0.0)
-    store_q_rows(x.to(tl.float32), rows, num_rows, w_ptr, w_stride0, w_stride1, out_ptr, hw_ptr,
-                 w_scale, H=H, D=D, BLOCK_D=BLOCK_D, UE8M0=UE8M0)
+    w = load_head_weights(w_ptr, w_stride0, w_stride1, rows, num_rows, H)
+    store_q_rows(x.to(tl.float32), w, rows, num_rows, out_ptr, hw_ptr, w_scale, D=D,
+                 BLOCK_D=BLOCK_D, UE8M0=UE8M0)
 
 
 @_quantize_q_out.triton
