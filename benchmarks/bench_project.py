@@ -1,15 +1,17 @@
-"""The indexer's k and head-weight projections on the GPU: the torch ops against
-``dsa::project_k_and_weights``.
+"""The indexer's decode prologue on the GPU: the layer's torch projections and the two
+prologue ops against ``dsa::project_quantize_and_cache_k``.
 
     python benchmarks/bench_project.py [--out BENCHMARKS.md]
 
-For T = 1, 2, 4 and 8 tokens at DeepSeek V3.2's sizes (hidden 7168, D 128, H 64, bf16
-hidden and ``wk``, fp32 ``weights_proj`` and LayerNorm): ``wk`` + LayerNorm + the cast and
-the fp32 ``weights_proj`` GEMM as the layer computed them (``torch.compile(fullgraph=True)``)
-against the op (its two kernels up to ``SMALL_TOKENS`` tokens, the same torch ops above).
-Device µs from CUDA-graph replays: L2 warm (10 calls a graph) and L2 flushed (one call,
-256 MB written before each replay; the weights, 3.7 MB, fit in L2); the kernels one call
-launches (profiler); the floor: bytes read and written at the measured copy bandwidth.
+For T = 1, 2, 4 and 8 tokens at DeepSeek V3.2's sizes (hidden 7168, q_lora_rank 1536, D 128,
+H 64, bf16 activations, ``wq_b`` and ``wk``, fp32 ``weights_proj`` and LayerNorm): the
+projections as ``dsa.Indexer`` writes them above ``SMALL_TOKENS`` (GEMMs, LayerNorm, casts)
+followed by ``rope_hadamard_quantize_and_cache_k`` and ``rope_hadamard_quantize_q``, against
+the op (its two kernels up to ``SMALL_TOKENS`` tokens, the same chain above), both under
+``torch.compile(fullgraph=True)``. Device µs from CUDA-graph replays: L2 warm (10 calls a
+graph) and L2 flushed (one call, 256 MB written before each replay; the weights, 29 MB,
+fit in L2); the kernels one call launches (profiler); the floor: bytes read and written at
+the measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 import dsa  # noqa: F401  (registers torch.ops.dsa)
+from dsa.ops.kcache import kcache_views
 from dsa.ops.project import SMALL_TOKENS
+from dsa.rope import rope_table
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -30,42 +35,70 @@ from _report import add_row, copy_bandwidth, graph_us, markdown_table, publish, 
 from bench_prologue import kernels_per_call  # noqa: E402
 
 TOKENS = (1, 2, 4, 8)
-HIDDEN, D, H = 7168, 128, 64
+HIDDEN, Q_LORA, D, H, ROPE_DIM, MAX_LEN = 7168, 1536, 128, 64, 64, 1 << 16
+ops = torch.ops.dsa
 
 
-def torch_projection(hidden, wk, norm_weight, norm_bias, weights_proj):
+def torch_prologue(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, weights_proj, cache,
+                   slots, cos_sin, positions):
+    q = rearrange(F.linear(q_latent, wq_b), "t (h d) -> t h d", d=D)
     k = F.linear(hidden, wk)
     k = F.layer_norm(k.float(), (D,), norm_weight, norm_bias, 1e-6).to(hidden.dtype)
-    return k, F.linear(hidden.float(), weights_proj)
+    weights = F.linear(hidden.float(), weights_proj)
+    ops.rope_hadamard_quantize_and_cache_k(k, cache, slots, cos_sin, positions)
+    return ops.rope_hadamard_quantize_q(q, weights, cos_sin, positions)
 
 
-def op_projection(hidden, wk, norm_weight, norm_bias, weights_proj):
-    return torch.ops.dsa.project_k_and_weights(hidden, wk, norm_weight, norm_bias, 1e-6,
-                                               weights_proj)
+def op_prologue(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, weights_proj, cache, slots,
+                cos_sin, positions):
+    return ops.project_quantize_and_cache_k(hidden, q_latent, wq_b, wk, norm_weight, norm_bias,
+                                            1e-6, weights_proj, cache, slots, cos_sin,
+                                            positions)
+
+
+def code_steps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The most e4m3 steps between two tensors' codes."""
+    def signed(x):
+        bits = x.view(torch.uint8).int()
+        return torch.where(bits >= 0x80, -(bits & 0x7F), bits & 0x7F)
+    return int((signed(a) - signed(b)).abs().max())
 
 
 def bench_tokens(tokens: int, bandwidth: float) -> list[object]:
     gen = torch.Generator(device="cuda").manual_seed(tokens)
-    hidden = torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
-    wk = (torch.randn(D, HIDDEN, generator=gen, device="cuda") * HIDDEN**-0.5).to(torch.bfloat16)
-    norm_weight = torch.rand(D, generator=gen, device="cuda") + 0.5
-    norm_bias = torch.randn(D, generator=gen, device="cuda") * 0.1
-    weights_proj = torch.randn(H, HIDDEN, generator=gen, device="cuda") * HIDDEN**-0.5
-    args = (hidden, wk, norm_weight, norm_bias, weights_proj)
-    calls = {"torch": torch.compile(torch_projection, fullgraph=True),
-             "op": torch.compile(op_projection, fullgraph=True)}
-    warm = {name: graph_us(lambda fn=fn: fn(*args)) for name, fn in calls.items()}
-    flushed = {name: graph_us(lambda fn=fn: fn(*args), replays=1) for name, fn in calls.items()}
-    launches = {name: kernels_per_call(lambda fn=fn: fn(*args)) for name, fn in calls.items()}
-    (k_torch, w_torch), (k_op, w_op) = (fn(*args) for fn in calls.values())
-    moved = (wk.numel() * 2 + weights_proj.numel() * 4 + hidden.numel() * 2 + D * 8
-             + tokens * (D * 2 + H * 4))
+    cuda = {"generator": gen, "device": "cuda"}
+    bf16 = torch.bfloat16
+    hidden = torch.randn(tokens, HIDDEN, **cuda).to(bf16)
+    q_latent = torch.randn(tokens, Q_LORA, **cuda).to(bf16)
+    wq_b = (torch.randn(H * D, Q_LORA, **cuda) * Q_LORA**-0.5).to(bf16)
+    wk = (torch.randn(D, HIDDEN, **cuda) * HIDDEN**-0.5).to(bf16)
+    norm_weight = torch.rand(D, **cuda) + 0.5
+    norm_bias = torch.randn(D, **cuda) * 0.1
+    weights_proj = torch.randn(H, HIDDEN, **cuda) * HIDDEN**-0.5
+    caches = {name: torch.zeros(64, 64, 1, D + 4, dtype=torch.uint8, device="cuda")
+              for name in ("torch", "op")}
+    slots = torch.randperm(64 * 64, **cuda)[:tokens]
+    cos_sin = rope_table(MAX_LEN, ROPE_DIM, 10000.0, device="cuda")
+    positions = torch.randint(0, MAX_LEN, (tokens,), **cuda)
+    weights_args = (hidden, q_latent, wq_b, wk, norm_weight, norm_bias, weights_proj)
+    compiled = {"torch": torch.compile(torch_prologue, fullgraph=True),
+                "op": torch.compile(op_prologue, fullgraph=True)}
+    calls = {name: (lambda fn=fn, name=name: fn(*weights_args, caches[name], slots, cos_sin,
+                                                   positions))
+             for name, fn in compiled.items()}
+    warm = {name: graph_us(call) for name, call in calls.items()}
+    flushed = {name: graph_us(call, replays=1) for name, call in calls.items()}
+    launches = {name: kernels_per_call(call) for name, call in calls.items()}
+    (q_torch, w_torch), (q_op, w_op) = (call() for call in calls.values())
+    moved = (sum(w.numel() * w.element_size() for w in weights_args) + 2 * D * 4
+             + tokens * (H * D + H * 4 + D + 4))
     floor_us = moved / bandwidth * 1e6
     return [tokens, f"{warm['torch']:.1f}", f"{flushed['torch']:.1f}", launches["torch"],
             f"{warm['op']:.1f}", f"{flushed['op']:.1f}", launches["op"],
             f"{flushed['torch'] / flushed['op']:.1f}x", f"{floor_us:.2f}",
-            f"{(k_op.float() - k_torch.float()).abs().max().item():.3g}",
-            f"{((w_op - w_torch).abs().max() / w_torch.abs().max()).item():.1e}"]
+            code_steps(q_op, q_torch),
+            code_steps(kcache_views(caches["op"])[0], kcache_views(caches["torch"])[0]),
+            f"{((w_op - w_torch).abs() / w_torch.abs()).max().item():.1e}"]
 
 
 def main() -> None:
@@ -75,17 +108,20 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     header = ["T", "torch warm µs", "torch flushed µs", "torch kernels", "op warm µs",
               "op flushed µs", "op kernels", "flushed speed-up", "bytes floor µs",
-              "k: max abs diff", "weights: max rel. diff"]
+              "q codes: most steps apart", "K cache codes: most steps apart",
+              "head weights: max rel. diff"]
     rows = []
     for tokens in TOKENS:
         add_row(rows, bench_tokens(tokens, bandwidth))
-    notes = (f"hidden {HIDDEN}, D={D}, H={H}; bf16 hidden and wk, fp32 weights_proj and "
-             "LayerNorm; torch = F.linear + layer_norm + cast + fp32 F.linear under "
-             "torch.compile; op = dsa::project_k_and_weights under torch.compile (its kernels "
-             f"up to {SMALL_TOKENS} tokens); medians of CUDA-graph replays (warm: 10 calls per "
+    notes = (f"hidden {HIDDEN}, q_lora_rank {Q_LORA}, D={D}, H={H}, rope_dim {ROPE_DIM}; bf16 "
+             "activations, wq_b and wk, fp32 weights_proj and LayerNorm; torch = the GEMMs, "
+             "LayerNorm and casts, then rope_hadamard_quantize_and_cache_k and "
+             "rope_hadamard_quantize_q, under torch.compile; op = "
+             "dsa::project_quantize_and_cache_k under torch.compile (its kernels up to "
+             f"{SMALL_TOKENS} tokens); medians of CUDA-graph replays (warm: 10 calls per "
              "graph; flushed: one call after 256 MB written); kernels: device activities of "
              f"one call (profiler); copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
-    title = "Indexer projections: wk + LayerNorm and weights_proj"
+    title = "Indexer prologue from the hidden state: projections, RoPE, Hadamard, fp8, K write"
     publish(report(title, markdown_table(header, rows), notes), args.out)
 
 
