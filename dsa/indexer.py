@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor, nn
 
 from dsa import distributed
@@ -19,7 +17,7 @@ from dsa.meta.decode import DecodeMetadata
 from dsa.meta.prefill import PrefillMetadata
 from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor
 from dsa.ops.dcp import owned_indices
-from dsa.ops.project import SMALL_TOKENS
+from dsa.ops.project import SMALL_TOKENS, project_torch
 from dsa.rope import YarnScaling, rope_scaling_from_hf, rope_table
 
 ops = torch.ops.dsa
@@ -214,11 +212,8 @@ class Indexer(nn.Module):
                 hidden, q_latent, self.wq_b.weight, self.wk.weight, self.k_norm.weight,
                 self.k_norm.bias, self.k_norm.eps, self.weights_proj.weight, self.kv_cache,
                 meta.slot_mapping, *rotation)
-        else:  # GEMMs, written out so torch.compile fuses the norm and casts around them
-            q = rearrange(self.wq_b(q_latent), "t (h d) -> t h d", d=cfg.head_dim)
-            k = self.wk(hidden)
-            k = self.k_norm(k.float()).to(k.dtype)
-            weights = F.linear(hidden.float(), self.weights_proj.weight.float())
+        else:  # the GEMMs as torch ops: torch.compile fuses the norm and casts around them
+            q, k, weights = self._project(hidden, q_latent)
             ops.rope_hadamard_quantize_and_cache_k(k, self.kv_cache, meta.slot_mapping,
                                                    *rotation)
             q_fp8, head_weights = ops.rope_hadamard_quantize_q(q, weights, *rotation)
@@ -256,6 +251,12 @@ class Indexer(nn.Module):
         tokens = meta.slot_mapping.shape[0]
         for name, x in (("hidden", hidden), ("q_latent", q_latent), ("positions", positions)):
             check_size(op, name, x, 0, tokens, "the metadata's tokens")
+
+    def _project(self, hidden: Tensor, q_latent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q ``[T, H, D]``, k ``[T, D]`` (normed) and the head weights, before RoPE."""
+        return project_torch(hidden, q_latent, self.wq_b.weight, self.wk.weight,
+                             self.k_norm.weight, self.k_norm.bias, self.k_norm.eps,
+                             self.weights_proj.weight)
 
     def _decode_topk(self, q_fp8: Tensor, head_weights: Tensor, meta: DecodeMetadata
                      ) -> tuple[Tensor, Tensor, Tensor | None]:
