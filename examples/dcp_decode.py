@@ -102,6 +102,7 @@ def main() -> None:
     print(f"rank {rank}: token 0 selects {int((out.global_indices[0] >= 0).sum())} keys, "
           f"{int((out.indices[0] >= 0).sum())} of them here; first global positions "
           f"{out.global_indices[0, :6].tolist()}, local slots {out.slots[0, :6].tolist()}")
+    dist.barrier()  # no rank tears its process group down while another still uses it
     dist.destroy_process_group()
 
 

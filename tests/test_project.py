@@ -1,7 +1,7 @@
 """dsa::project_quantize_and_cache_k (design §2, "Projections"): the CPU face is the layer's
 torch projections followed by the two prologue ops' CPU faces, bit for bit; the kernel face
 (two launches up to SMALL_TOKENS tokens) differs from it only by its fp32 sums' order:
-every fp8 code within one step, every scale within two roundings of the layer's dtype."""
+dequantised values within an fp8 step plus 2**-6 of their row, scales within 2**-6."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 from faces import HAS_CUDA, face_tests, opcheck_test, validation_test
 from hypothesis import strategies as st
 from test_kcache import random_cache, random_slots
-from test_prologue import signed_steps
 
 from dsa.ops import FACES
 from dsa.ops.kcache import kcache_views
@@ -66,22 +65,32 @@ def the_chain(args: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (*torch.ops.dsa.rope_hadamard_quantize_q(q, weights, *rotation), cache)
 
 
-def _steps_apart(codes: torch.Tensor, want: torch.Tensor) -> int:
-    """The most fp8 steps between two tensors' codes (0 for none)."""
-    steps = (signed_steps(codes) - signed_steps(want)).abs()
-    return int(steps.max()) if steps.numel() else 0
+def assert_codes_close(codes: torch.Tensor, scale: torch.Tensor, want: torch.Tensor,
+                       want_scale: torch.Tensor) -> None:
+    """fp8 rows ``codes * scale`` (a scale per row) within one fp8 step (2**-3 relative) of
+    ``want``'s plus 2**-6 of the row's largest magnitude: where the two faces' projections
+    round an element to either side of a τ boundary, the rotation spreads the difference
+    (about 2**-9 of the row) over every element of the row, and a small element's fp8 code
+    moves by more than a step."""
+    got = codes.float() * torch.nan_to_num(scale).unsqueeze(-1)
+    ref = want.float() * torch.nan_to_num(want_scale).unsqueeze(-1)
+    amax = ref.abs().amax(-1, keepdim=True) if ref.numel() else ref
+    assert bool(((got - ref).abs() <= ref.abs() * 2.0**-3 + amax * 2.0**-6).all())
 
 
-def assert_within_one_step(got: tuple, want: tuple) -> None:
-    """fp8 codes within one step of each other; q scales (in the head weights) and k scales
-    within 2**-6 relative (a rounding of the layer's dtype moves an amax by 2**-8 or less);
-    cache bytes outside the written slots' rows equal."""
+def assert_faces_close(got: tuple, want: tuple) -> None:
+    """The kernel face against the CPU face: q codes and K cache rows as
+    :func:`assert_codes_close`, q scales (in the head weights) and k scales within 2**-6
+    relative (a rounding of τ moves an amax by 2**-8 or less), the cache bytes the write
+    leaves alone equal."""
     (q_fp8, head_weights, cache), (q_want, w_want, cache_want) = got, want
-    assert _steps_apart(q_fp8, q_want) <= 1
     torch.testing.assert_close(head_weights, w_want, rtol=2.0**-6, atol=1e-30)
+    assert_codes_close(q_fp8, head_weights, q_want, w_want)
     (values, scales), (values_want, scales_want) = kcache_views(cache), kcache_views(cache_want)
-    assert _steps_apart(values, values_want) <= 1
-    torch.testing.assert_close(scales, scales_want, rtol=2.0**-6, atol=0, equal_nan=True)
+    written = (cache != cache_want).any(-1).view(scales.shape)
+    assert_codes_close(values[written], scales[written], values_want[written],
+                       scales_want[written])
+    torch.testing.assert_close(scales[written], scales_want[written], rtol=2.0**-6, atol=0)
 
 
 def check_project(face, tokens, width, q_width, heads, head_dim, rope_div, dtype, hadamard,
@@ -95,7 +104,7 @@ def check_project(face, tokens, width, q_width, heads, head_dim, rope_div, dtype
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
     else:
-        assert_within_one_step(got, want)
+        assert_faces_close(got, want)
 
 
 _SIZES = {"width": st.integers(1, 700), "q_width": st.integers(1, 600),
@@ -128,7 +137,7 @@ def test_project_strided_inputs(face):
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                    for a, b in zip(got, want, strict=True))
     else:
-        assert_within_one_step(got, want)
+        assert_faces_close(got, want)
 
 
 @pytest.mark.gpu
@@ -136,14 +145,14 @@ def test_project_strided_inputs(face):
 @pytest.mark.parametrize("tokens", [1, 2, 3, SMALL_TOKENS, SMALL_TOKENS + 1, 64])
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_project_gpu(tokens, ue8m0):
-    """V3.2's sizes: up to SMALL_TOKENS the kernels, within one fp8 step of the CPU face;
-    above, the torch projections and the prologue kernels, the same chain on CUDA bit for
-    bit."""
+    """V3.2's sizes: up to SMALL_TOKENS the kernels, close to the CPU face; above, the torch
+    projections and the prologue kernels, the same chain on CUDA bit for bit."""
     args = project_case(tokens, tokens, 7168, 1536, 64, 128, rope_dim=64, ue8m0=ue8m0,
                         block_size=64)
     got = run_project("kernel", args)
-    assert_within_one_step(got, the_chain(args))
-    if tokens > SMALL_TOKENS:
+    if tokens <= SMALL_TOKENS:
+        assert_faces_close(got, the_chain(args))
+    else:
         cuda_args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
         cache = cuda_args[8].clone()
         q, k, weights = project_torch(*cuda_args[:8])
