@@ -62,9 +62,9 @@ from dsa.ops.quant import (
 # the GEMMs.
 SMALL_TOKENS = 4
 # Columns of a weight matrix and inner-dim elements a partial-sums program multiplies per
-# step; SLICE_STEPS steps make one program's slice of the inner dim.
-COLS, STEP, SLICE_STEPS = 32, 128, 2
-SLICE = STEP * SLICE_STEPS
+# step; H_STEPS (Q_STEPS) steps make one program's slice of the hidden (q_lora) dim, and its
+# warps. The k program of the second launch adds up hidden_size / (H_STEPS * STEP) slices.
+COLS, STEP, H_STEPS, Q_STEPS, PARTIALS_WARPS = 32, 128, 2, 2, 4
 
 
 class _Sizes:
@@ -188,7 +188,8 @@ def _slice_products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo,
 def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_s1, wp_ptr,
                      wp_s0, wp_s1, wq_ptr, wq_s0, wq_s1, hpart_ptr, qpart_ptr, tokens, width,
                      q_width, D: tl.constexpr, H: tl.constexpr, TP: tl.constexpr,
-                     COLS: tl.constexpr, STEP: tl.constexpr, SLICE_STEPS: tl.constexpr,
+                     COLS: tl.constexpr, STEP: tl.constexpr, H_STEPS: tl.constexpr,
+                     Q_STEPS: tl.constexpr,
                      H_SLICES: tl.constexpr):
     """Program (slice s, block of COLS columns): the first ``H_SLICES`` blocks of programs
     ``hpart[s, t, c]`` for the columns c of ``[wk; weights_proj]`` (k's D, then the H head
@@ -203,16 +204,16 @@ def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_
     if pid < H_SLICES * H_BLOCKS:
         s = pid // H_BLOCKS
         block = pid % H_BLOCKS
-        lo = s * (SLICE_STEPS * STEP)
+        lo = s * (H_STEPS * STEP)
         if block < K_BLOCKS:
             rows = block * COLS + c
             acc = _slice_products(x_ptr, x_s0, x_s1, wk_ptr + rows.to(tl.int64) * wk_s0, wk_s1,
-                                  rows < D, tokens, width, lo, TP, COLS, STEP, SLICE_STEPS)
+                                  rows < D, tokens, width, lo, TP, COLS, STEP, H_STEPS)
             col, col_ok = rows, rows < D
         else:
             rows = (block - K_BLOCKS) * COLS + c
             acc = _slice_products(x_ptr, x_s0, x_s1, wp_ptr + rows.to(tl.int64) * wp_s0, wp_s1,
-                                  rows < H, tokens, width, lo, TP, COLS, STEP, SLICE_STEPS)
+                                  rows < H, tokens, width, lo, TP, COLS, STEP, H_STEPS)
             col, col_ok = D + rows, rows < H
         out = hpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * (D + H) + col[None, :]
     else:
@@ -221,8 +222,8 @@ def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_
         col = (q_pid % Q_BLOCKS) * COLS + c
         col_ok = col < H * D
         acc = _slice_products(ql_ptr, ql_s0, ql_s1, wq_ptr + col.to(tl.int64) * wq_s0, wq_s1,
-                              col_ok, tokens, q_width, s * (SLICE_STEPS * STEP), TP, COLS,
-                              STEP, SLICE_STEPS)
+                              col_ok, tokens, q_width, s * (Q_STEPS * STEP), TP, COLS, STEP,
+                              Q_STEPS)
         out = qpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * (H * D) + col[None, :]
     tl.store(out, acc, mask=(t < tokens)[:, None] & col_ok[None, :])
 
@@ -336,7 +337,8 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
                          f"{SMALL_TOKENS} tokens, got {n.tokens}")
     if n.tokens == 0:
         return
-    h_slices, q_slices = triton.cdiv(n.width, SLICE), triton.cdiv(n.q_width, SLICE)
+    h_slices = triton.cdiv(n.width, H_STEPS * STEP)
+    q_slices = triton.cdiv(n.q_width, Q_STEPS * STEP)
     h_blocks = triton.cdiv(n.head_dim, COLS) + triton.cdiv(n.heads, COLS)
     q_blocks = triton.cdiv(n.heads * n.head_dim, COLS)
     f32 = {"dtype": torch.float32, "device": hidden.device}
@@ -346,8 +348,8 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            hidden, *hidden.stride(), q_latent, *q_latent.stride(), wk, *wk.stride(),
            weights_proj, *weights_proj.stride(), wq_b, *wq_b.stride(), hpart, qpart,
            n.tokens, n.width, n.q_width, D=n.head_dim, H=n.heads,
-           TP=triton.next_power_of_2(n.tokens), COLS=COLS, STEP=STEP,
-           SLICE_STEPS=SLICE_STEPS, H_SLICES=h_slices, num_warps=4)
+           TP=triton.next_power_of_2(n.tokens), COLS=COLS, STEP=STEP, H_STEPS=H_STEPS,
+           Q_STEPS=Q_STEPS, H_SLICES=h_slices, num_warps=PARTIALS_WARPS)
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
     block_d = triton.next_power_of_2(n.head_dim)
