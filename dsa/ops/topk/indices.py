@@ -66,14 +66,7 @@ from dsa.ops.topk.select import (
     write_all,
     write_streamed,
 )
-from dsa.ops.topk.slots import (
-    _indices_to_slots_cpu,
-    block_of,
-    check_slot_args,
-    request_row,
-    slot_in,
-    slot_of,
-)
+from dsa.ops.topk.slots import _indices_to_slots_cpu, check_slot_args, request_row, slot_of
 
 # --- validation, CPU face ----------------------------------------------------------------
 
@@ -251,7 +244,6 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
     lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
     out_row = out_ptr + row.to(tl.int64) * k
     score_row = score_ptr + row.to(tl.int64) * k
-    slot_row = slots_ptr + row.to(tl.int64) * k
     if hi - lo <= k:
         write_all(out_row, score_row, row_ptr, lo, hi - lo, off, k, FINISH_BLOCK, SCORES)
     elif hi - lo <= CAP:
@@ -260,12 +252,8 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
             keys = search_key(whole)
         else:
             keys = search_key(tl.load(row_ptr + lo + j, mask=member, other=0.0))
-        if SLOTS:  # every column's block, read while the row is searched
-            blocks = block_of(j + off, table_row, req_ok, width, BS)
-        taken, pos = select_write(keys, j + off, member, hi - lo, k, out_row, score_row, CAP,
-                                  RADIX, PIVOTS, LOWEST, SCORES)
-        if SLOTS:
-            scatter(slot_row + pos, slot_in(blocks, j + off, num_blocks, BS), taken, CAP)
+        select_write(keys, j + off, member, hi - lo, k, out_row, score_row, CAP, RADIX,
+                     PIVOTS, LOWEST, SCORES)
     else:
         counts = count_ptr + row * PARTS
         cand_row = cand_ptr + row.to(tl.int64) * (PARTS * CAP)
@@ -290,14 +278,14 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
                                          STREAM_PIVOTS, 0)
             write_streamed(row_ptr, counts, out_row, score_row, k, t, c_lo, c_hi, INT_MIN, lo,
                            hi, off, BLOCK, C, 0, LOWEST, SCORES)
-    if SLOTS:  # noqa: SIM102 (a compile-time test, then a run-time one)
-        if (hi - lo <= k) | (hi - lo > CAP):  # the slots of rows not read whole
-            tl.debug_barrier()  # the row's indices, scattered by every thread, are in memory
-            for c in range(0, k, FINISH_BLOCK):
-                i = c + tl.arange(0, FINISH_BLOCK)
-                idx = tl.load(out_row + i, mask=i < k, other=-1)
-                tl.store(slot_row + i, slot_of(idx, table_row, req_ok, width, num_blocks, BS),
-                         mask=i < k)
+    if SLOTS:
+        tl.debug_barrier()  # the row's indices, scattered by every thread, are in memory
+        slot_row = slots_ptr + row.to(tl.int64) * k
+        for c in range(0, k, FINISH_BLOCK):
+            i = c + tl.arange(0, FINISH_BLOCK)
+            idx = tl.load(out_row + i, mask=i < k, other=-1)
+            tl.store(slot_row + i, slot_of(idx, table_row, req_ok, width, num_blocks, BS),
+                     mask=i < k)
 
 
 # --- launch ------------------------------------------------------------------------------

@@ -296,13 +296,11 @@ def select_write(keys, idx, member, count, k, out_row, score_row, N: tl.constexp
                  SCORES: tl.constexpr):
     """Writes the output indices ``idx`` of the k largest member keys of an ``[R, C]`` tile
     (N elements, ``count = count(member) > k``; ties as in :func:`select_positions`) and,
-    with SCORES, their values (fp32 keys) at ``score_row``; returns (taken, their output
-    slots), for more outputs of the same selection."""
+    with SCORES, their values (fp32 keys) at ``score_row``."""
     taken, pos = select_positions(keys, idx, member, count, k, RADIX, PIVOTS, LOWEST)
     scatter(out_row + pos, idx, taken, N)
     if SCORES:
         scatter(score_row + pos, key_value(keys), taken, N)
-    return taken, pos
 
 
 @triton.jit

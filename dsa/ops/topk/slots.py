@@ -64,26 +64,14 @@ def _indices_to_slots_cpu(indices: Tensor, block_table: Tensor, row_requests: Te
 
 
 @triton.jit
-def block_of(i, table_row, req_ok, width, BS: tl.constexpr):
-    """The block table entry of position ``i`` (read only where ``req_ok``, i.e. the row's
-    request is in ``[0, num_reqs)``, and ``i`` is inside the row); -1 where there is none."""
-    col = i // BS
-    return tl.load(table_row + col, mask=(i >= 0) & req_ok & (col < width), other=-1)
-
-
-@triton.jit
-def slot_in(block, i, num_blocks, BS: tl.constexpr):
-    """Slot of position ``i`` in the cache block ``block`` (:func:`block_of`); -1 where the
-    block is not in ``[0, num_blocks)``."""
-    slot = block.to(tl.int64) * BS + i % BS
-    return tl.where((block >= 0) & (block < num_blocks), slot, -1)
-
-
-@triton.jit
 def slot_of(i, table_row, req_ok, width, num_blocks, BS: tl.constexpr):
     """Slot of position ``i`` through the block table row at ``table_row`` (read only where
-    ``req_ok``); -1 where there is none."""
-    return slot_in(block_of(i, table_row, req_ok, width, BS), i, num_blocks, BS)
+    ``req_ok``, i.e. the row's request is in ``[0, num_reqs)``); -1 where there is none."""
+    col = i // BS
+    ok = (i >= 0) & req_ok & (col < width)
+    blk = tl.load(table_row + col, mask=ok, other=-1)
+    slot = blk.to(tl.int64) * BS + i % BS
+    return tl.where(ok & (blk >= 0) & (blk < num_blocks), slot, -1)
 
 
 @triton.jit
