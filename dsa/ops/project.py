@@ -57,14 +57,20 @@ from dsa.ops.quant import (
 
 # Tokens up to which the CUDA face runs its own kernels (a decode step of one to four
 # tokens: one request, or a few, with next_n up to 4); more take the GEMMs. H200
-# (BENCHMARKS.md, "Indexer projections"): k and the head weights of one token in 6.0 us
-# against 14.1 for the compiled torch ops; 16 tokens as one fp32 MMA tile were slower than
-# the GEMMs.
+# (BENCHMARKS.md, "Indexer prologue from the hidden state"): one token in 10.5 us against
+# 25.8 for the torch chain (9 kernels), 4 tokens 17.9 against 37.7, 8 tokens slower than it.
 SMALL_TOKENS = 4
 # Columns of a weight matrix and inner-dim elements a partial-sums program multiplies per
-# step; H_STEPS (Q_STEPS) steps make one program's slice of the hidden (q_lora) dim, and its
-# warps. The k program of the second launch adds up hidden_size / (H_STEPS * STEP) slices.
-COLS, STEP, H_STEPS, Q_STEPS, PARTIALS_WARPS = 32, 128, 2, 2, 4
+# step; Q_STEPS steps make one program's slice of the q_lora dim, and its warps.
+COLS, STEP, Q_STEPS, PARTIALS_WARPS = 32, 128, 2, 4
+
+
+def hidden_steps(tokens: int) -> int:
+    """Steps of a partial-sums program's slice of the hidden dim: 4 up to 2 tokens (the k
+    program of the second launch adds up half as many slices), else 2. H200 (2f861a3), one
+    call flushed: 18.8 against 19.2 us at T = 1, 20.2 against 20.7 at T = 2, 27.3 against
+    25.9 at T = 4."""
+    return 4 if tokens <= 2 else 2
 
 
 class _Sizes:
@@ -337,7 +343,8 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
                          f"{SMALL_TOKENS} tokens, got {n.tokens}")
     if n.tokens == 0:
         return
-    h_slices = triton.cdiv(n.width, H_STEPS * STEP)
+    h_steps = hidden_steps(n.tokens)
+    h_slices = triton.cdiv(n.width, h_steps * STEP)
     q_slices = triton.cdiv(n.q_width, Q_STEPS * STEP)
     h_blocks = triton.cdiv(n.head_dim, COLS) + triton.cdiv(n.heads, COLS)
     q_blocks = triton.cdiv(n.heads * n.head_dim, COLS)
@@ -348,7 +355,7 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            hidden, *hidden.stride(), q_latent, *q_latent.stride(), wk, *wk.stride(),
            weights_proj, *weights_proj.stride(), wq_b, *wq_b.stride(), hpart, qpart,
            n.tokens, n.width, n.q_width, D=n.head_dim, H=n.heads,
-           TP=triton.next_power_of_2(n.tokens), COLS=COLS, STEP=STEP, H_STEPS=H_STEPS,
+           TP=triton.next_power_of_2(n.tokens), COLS=COLS, STEP=STEP, H_STEPS=h_steps,
            Q_STEPS=Q_STEPS, H_SLICES=h_slices, num_warps=PARTIALS_WARPS)
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
