@@ -79,8 +79,16 @@ def check_k_write(op: str, k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
     check_tensor(op, "k", k, dtype=FLOAT_DTYPES, ndim=2)
     _, _, head_dim = check_kv_cache(op, kv_cache, like=k)
     check_size(op, "k", k, 1, head_dim, "head_dim = kv_cache.shape[3] - 4")
-    check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, like=k)
-    check_size(op, "slot_mapping", slot_mapping, 0, k.shape[0], "num_tokens = k.shape[0]")
+    check_write_args(op, slot_mapping, ue8m0, like=k,
+                     tokens=(k.shape[0], "num_tokens = k.shape[0]"))
+
+
+def check_write_args(op: str, slot_mapping: Tensor, ue8m0: bool, *, like: Tensor,
+                     tokens: tuple[int, str]) -> None:
+    """A K-cache write's int64 slots ``[T]`` on ``like``'s device and its scale format;
+    ``tokens``: T, and what that count is."""
+    check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, like=like)
+    check_size(op, "slot_mapping", slot_mapping, 0, *tokens)
     if not isinstance(ue8m0, bool):
         raise TypeError(f"dsa.{op}: `ue8m0` must be a bool, got {type(ue8m0).__name__}")
 

@@ -35,7 +35,14 @@ from torch import Tensor
 from dsa.ops._checks import check_size, check_tensor
 from dsa.ops._launch import launch, row_tile, tile_warps
 from dsa.ops._registry import dsa_op
-from dsa.ops.kcache import check_kv_cache, kcache_views, load_slots, store_k_rows, write_k_rows
+from dsa.ops.kcache import (
+    check_kv_cache,
+    check_write_args,
+    kcache_views,
+    load_slots,
+    store_k_rows,
+    write_k_rows,
+)
 from dsa.ops.prologue import (
     check_rotation,
     hadamard_scale,
@@ -118,12 +125,9 @@ def _check(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor, norm_weig
     if cache_dim != head_dim:
         raise ValueError(f"dsa.{op}: `kv_cache` must hold head_dim = wk.shape[0] = {head_dim} "
                          f"(shape[3] = {head_dim + 4}), got shape {tuple(kv_cache.shape)}")
-    check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, like=hidden)
-    check_size(op, "slot_mapping", slot_mapping, 0, *tokens_are)
+    check_write_args(op, slot_mapping, ue8m0, like=hidden, tokens=tokens_are)
     check_rotation(op, cos_sin, positions, hadamard, head_dim=head_dim, like=hidden,
                    tokens=tokens_are)
-    if not isinstance(ue8m0, bool):
-        raise TypeError(f"dsa.{op}: `ue8m0` must be a bool, got {type(ue8m0).__name__}")
     return _Sizes(hidden, q_latent, wk, weights_proj)
 
 
