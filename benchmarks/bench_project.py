@@ -31,8 +31,10 @@ from dsa.rope import rope_table
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
 from _report import add_row, copy_bandwidth, graph_us, markdown_table, publish, report  # noqa: E402
 from bench_prologue import kernels_per_call  # noqa: E402
+from test_prologue import signed_steps  # noqa: E402
 
 TOKENS = (1, 2, 4, 8)
 HIDDEN, Q_LORA, D, H, ROPE_DIM, MAX_LEN = 7168, 1536, 128, 64, 64, 1 << 16
@@ -58,10 +60,7 @@ def op_prologue(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, weights_proj
 
 def code_steps(a: torch.Tensor, b: torch.Tensor) -> int:
     """The most e4m3 steps between two tensors' codes."""
-    def signed(x):
-        bits = x.view(torch.uint8).int()
-        return torch.where(bits >= 0x80, -(bits & 0x7F), bits & 0x7F)
-    return int((signed(a) - signed(b)).abs().max())
+    return int((signed_steps(a) - signed_steps(b)).abs().max())
 
 
 def bench_tokens(tokens: int, bandwidth: float) -> list[object]:
