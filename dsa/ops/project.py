@@ -201,7 +201,7 @@ def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_
                      COLS: tl.constexpr, STEP: tl.constexpr, H_STEPS: tl.constexpr,
                      Q_STEPS: tl.constexpr,
                      H_SLICES: tl.constexpr):
-    """Program (slice s, block of COLS columns): the first ``H_SLICES`` blocks of programs
+    """Program (slice s, block of COLS columns): the first ``H_SLICES * H_BLOCKS`` programs
     ``hpart[s, t, c]`` for the columns c of ``[wk; weights_proj]`` (k's D, then the H head
     weights) over the hidden dim, the others ``qpart[s, t, c]`` for those of ``wq_b`` over
     the q_lora dim; every token t."""
