@@ -72,11 +72,10 @@ SMALL_TOKENS = 4
 # Columns of a weight matrix and inner-dim elements a partial-sums program multiplies per
 # step; Q_STEPS steps make one program's slice of the q_lora dim, and its warps.
 COLS, STEP, Q_STEPS, PARTIALS_WARPS = 32, 128, 2, 4
-# Above SMALL_TOKENS: tokens per program, inner-dim elements per step (64: a program of 64
-# tokens holds its operands in registers without spilling), steps of a hidden-dim and a
-# q_lora-dim slice, columns of wq_b per program, warps.
-TILE_TOKENS, TILE_STEP, TILE_HIDDEN_STEPS, TILE_Q_STEPS, TILE_Q_COLS, TILE_WARPS = (
-    64, 64, 8, 24, 64, 4)
+# Above SMALL_TOKENS: inner-dim elements per step (64: a program of 64 tokens holds its
+# operands in registers without spilling), steps of a hidden-dim slice, columns of wq_b per
+# program; tokens, warps and q_lora-dim slice steps of a program by T (partials_plan).
+TILE_STEP, TILE_HIDDEN_STEPS, TILE_Q_COLS = 64, 8, 64
 
 
 class PartialsPlan(NamedTuple):
@@ -94,12 +93,19 @@ class PartialsPlan(NamedTuple):
 
 
 def partials_plan(tokens: int) -> PartialsPlan:
-    """The partial-sums launch of a call of ``tokens`` tokens."""
+    """The partial-sums launch of a call of ``tokens`` tokens. Above SMALL_TOKENS, H200
+    (77f4233, one call after an L2 flush; BENCHMARKS.md, "Session of 2026-12-01, eighth"):
+    up to 64 tokens in one tile of 4 warps, the q_lora dim in
+    two slices (21.2 against 24.9 us at T = 8, 24.3 against 28.8 at T = 64); above, tiles
+    of 128 tokens in 8 warps, the q_lora dim whole (33.8 against 34.6 us at T = 128, 49.3
+    against 51.1 at T = 256)."""
     if tokens <= SMALL_TOKENS:
         return PartialsPlan(triton.next_power_of_2(tokens), False, STEP, hidden_steps(tokens),
                             Q_STEPS, COLS, PARTIALS_WARPS)
-    return PartialsPlan(min(TILE_TOKENS, max(16, triton.next_power_of_2(tokens))), True,
-                        TILE_STEP, TILE_HIDDEN_STEPS, TILE_Q_STEPS, TILE_Q_COLS, TILE_WARPS)
+    if tokens <= 64:
+        return PartialsPlan(max(16, triton.next_power_of_2(tokens)), True, TILE_STEP,
+                            TILE_HIDDEN_STEPS, 12, TILE_Q_COLS, 4)
+    return PartialsPlan(128, True, TILE_STEP, TILE_HIDDEN_STEPS, 24, TILE_Q_COLS, 8)
 
 
 def hidden_steps(tokens: int) -> int:
