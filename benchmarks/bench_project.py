@@ -3,7 +3,7 @@ prologue ops against ``dsa::project_quantize_and_cache_k``.
 
     python benchmarks/bench_project.py [--out BENCHMARKS.md]
 
-For T = 1 to 512 tokens at DeepSeek V3.2's sizes (hidden 7168, q_lora_rank 1536, D 128, H
+For T = 1 to 1024 tokens at DeepSeek V3.2's sizes (hidden 7168, q_lora_rank 1536, D 128, H
 64, bf16 activations, ``wq_b`` and ``wk``, fp32 ``weights_proj`` and LayerNorm): the
 projections as ``dsa.Indexer`` writes them above ``KERNEL_TOKENS`` (GEMMs, LayerNorm, casts)
 followed by ``rope_hadamard_quantize_and_cache_k`` and ``rope_hadamard_quantize_q``, against
@@ -36,7 +36,7 @@ from _report import add_row, copy_bandwidth, graph_us, markdown_table, publish, 
 from bench_prologue import kernels_per_call  # noqa: E402
 from test_prologue import signed_steps  # noqa: E402
 
-TOKENS = (1, 2, 4, 8, 16, 64, 128, 256, 512)
+TOKENS = (1, 2, 4, 8, 16, 64, 128, 256, 512, 1024)
 HIDDEN, Q_LORA, D, H, ROPE_DIM, MAX_LEN = 7168, 1536, 128, 64, 64, 1 << 16
 ops = torch.ops.dsa
 

@@ -13,14 +13,15 @@ layer's three projections, then its two prologue ops (τ = hidden's dtype)::
     q_fp8, head_weights = rope_hadamard_quantize_q(q, weights, cos_sin, positions, ...)
 
 A decode step multiplies a few tokens by three weight matrices (28 MB at V3.2's sizes):
-what it costs is reading them once. On CUDA, up to ``SMALL_TOKENS`` tokens take two Triton
-launches: fp32 partial sums of the three products over slices of their inner dims, then a
+what it costs is reading them once. On CUDA, up to ``KERNEL_TOKENS`` tokens take two
+Triton launches: fp32 partial sums of the three products over slices of their inner dims
+(one token at a time up to ``SMALL_TOKENS``, matrix products of token tiles above), then a
 program per tile of (token, head) rows that adds up its q and weight partials and runs the
 q prologue, and one per token that adds up its k partials, normalises k and runs the k
 prologue. That replaces the GEMMs, their split-K reductions, the casts, the LayerNorm and
 the two prologue launches. The partial sums run in fp32, in another order than a GEMM's.
 More tokens, and the CPU, take the torch ops and the prologue ops' faces; ``dsa.Indexer``
-calls those itself above ``SMALL_TOKENS`` tokens, so torch.compile fuses them with their
+calls those itself above ``KERNEL_TOKENS`` tokens, so torch.compile fuses them with their
 neighbours.
 """
 
@@ -64,14 +65,17 @@ from dsa.ops.quant import (
     weight_scale,
 )
 
-# Tokens up to which the CUDA face runs its own kernels; more (a prefill chunk) take the
-# GEMMs. Up to SMALL_TOKENS (a decode step of one to four tokens) the partial sums are
-# products of one token at a time, above it matrix products of a tile of tokens.
-KERNEL_TOKENS = 256
-SMALL_TOKENS = 4
-# Columns of a weight matrix and inner-dim elements a partial-sums program multiplies per
-# step; Q_STEPS steps make one program's slice of the q_lora dim, and its warps.
-COLS, STEP, Q_STEPS, PARTIALS_WARPS = 32, 128, 2, 4
+# Tokens up to which the CUDA face runs its own kernels; more (a long prefill chunk) take
+# the GEMMs. Up to SMALL_TOKENS (one: a decode step of one request) the partial sums are
+# products of one token at a time, above it matrix products of a tile of tokens. H200
+# (662e3da, one call after an L2 flush): one token 18.4 us against 19.7 by matrix
+# products, 4 tokens 19.9 against 25.4 one at a time, 512 tokens 82.1 against 105.3 for
+# the GEMMs and the prologue ops.
+KERNEL_TOKENS = 512
+SMALL_TOKENS = 1
+# Up to SMALL_TOKENS: columns of a weight matrix a program multiplies, inner-dim elements
+# per step, steps of a hidden-dim and a q_lora-dim slice, warps.
+COLS, STEP, HIDDEN_STEPS, Q_STEPS, PARTIALS_WARPS = 32, 128, 4, 2, 4
 # Above SMALL_TOKENS: inner-dim elements per step (64: a program of 64 tokens holds its
 # operands in registers without spilling), steps of a hidden-dim slice, columns of wq_b per
 # program; tokens, warps and q_lora-dim slice steps of a program by T (partials_plan).
@@ -95,25 +99,16 @@ class PartialsPlan(NamedTuple):
 def partials_plan(tokens: int) -> PartialsPlan:
     """The partial-sums launch of a call of ``tokens`` tokens. Above SMALL_TOKENS, H200
     (77f4233, one call after an L2 flush; BENCHMARKS.md, "Session of 2026-12-01, eighth"):
-    up to 64 tokens in one tile of 4 warps, the q_lora dim in
-    two slices (21.2 against 24.9 us at T = 8, 24.3 against 28.8 at T = 64); above, tiles
-    of 128 tokens in 8 warps, the q_lora dim whole (33.8 against 34.6 us at T = 128, 49.3
-    against 51.1 at T = 256)."""
+    up to 64 tokens one tile of 4 warps, the q_lora dim in two slices (21.2 against 24.9
+    us at T = 8, 24.3 against 28.8 at T = 64); above, tiles of 128 tokens in 8 warps, the
+    q_lora dim whole (33.8 against 34.6 us at T = 128, 49.3 against 51.1 at T = 256)."""
     if tokens <= SMALL_TOKENS:
-        return PartialsPlan(triton.next_power_of_2(tokens), False, STEP, hidden_steps(tokens),
+        return PartialsPlan(triton.next_power_of_2(tokens), False, STEP, HIDDEN_STEPS,
                             Q_STEPS, COLS, PARTIALS_WARPS)
     if tokens <= 64:
         return PartialsPlan(max(16, triton.next_power_of_2(tokens)), True, TILE_STEP,
                             TILE_HIDDEN_STEPS, 12, TILE_Q_COLS, 4)
     return PartialsPlan(128, True, TILE_STEP, TILE_HIDDEN_STEPS, 24, TILE_Q_COLS, 8)
-
-
-def hidden_steps(tokens: int) -> int:
-    """Steps of a partial-sums program's slice of the hidden dim up to SMALL_TOKENS: 4 up to
-    2 tokens (the k program of the second launch adds up half as many slices), else 2.
-    H200 (2f861a3), one call flushed: 18.8 against 19.2 us at T = 1, 20.2 against 20.7 at
-    T = 2, 27.3 against 25.9 at T = 4."""
-    return 4 if tokens <= 2 else 2
 
 
 class _Sizes:
