@@ -80,16 +80,16 @@ def assert_codes_close(codes: torch.Tensor, scale: torch.Tensor, want: torch.Ten
 
 
 def assert_faces_close(got: tuple, want: tuple) -> None:
-    """The kernel face against the CPU face: q codes and K cache rows as
-    :func:`assert_codes_close`, q scales (in the head weights) and k scales within 2**-6
-    relative (a rounding of τ moves an amax by 2**-8 or less; a head weight also within
-    2**-16 of its token's largest); the cache slots whose bytes
-    differ (those the faces wrote) compared so, the others equal."""
+    """The kernel face against the CPU face: q codes (by the CPU face's scales) and K cache
+    rows as :func:`assert_codes_close`; q scales (in the head weights) and k scales within
+    2**-6 relative (a rounding of τ moves an amax by 2**-8 or less), a head weight also
+    within 2**-16 of its token's largest; the cache slots whose bytes differ (those the
+    faces wrote) compared so, the others equal."""
     (q_fp8, head_weights, cache), (q_want, w_want, cache_want) = got, want
     # a weight whose fp32 sum cancels to near 0 keeps the sum's absolute rounding error
     cancelled = w_want.abs().amax(-1, keepdim=True) * 2.0**-16 if w_want.numel() else 0.0
     assert bool(((head_weights - w_want).abs() <= w_want.abs() * 2.0**-6 + cancelled).all())
-    assert_codes_close(q_fp8, head_weights, q_want, w_want)
+    assert_codes_close(q_fp8, w_want, q_want, w_want)  # a cancelled weight: any sign
     (values, scales), (values_want, scales_want) = kcache_views(cache), kcache_views(cache_want)
     written = ((values.view(torch.uint8) != values_want.view(torch.uint8)).any(-1)
                | (scales.view(torch.int32) != scales_want.view(torch.int32)))  # slots
