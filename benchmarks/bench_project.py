@@ -3,11 +3,11 @@ prologue ops against ``dsa::project_quantize_and_cache_k``.
 
     python benchmarks/bench_project.py [--out BENCHMARKS.md]
 
-For T = 1, 2, 4 and 8 tokens at DeepSeek V3.2's sizes (hidden 7168, q_lora_rank 1536, D 128,
-H 64, bf16 activations, ``wq_b`` and ``wk``, fp32 ``weights_proj`` and LayerNorm): the
-projections as ``dsa.Indexer`` writes them above ``SMALL_TOKENS`` (GEMMs, LayerNorm, casts)
+For T = 1 to 1024 tokens at DeepSeek V3.2's sizes (hidden 7168, q_lora_rank 1536, D 128, H
+64, bf16 activations, ``wq_b`` and ``wk``, fp32 ``weights_proj`` and LayerNorm): the
+projections as ``dsa.Indexer`` writes them above ``KERNEL_TOKENS`` (GEMMs, LayerNorm, casts)
 followed by ``rope_hadamard_quantize_and_cache_k`` and ``rope_hadamard_quantize_q``, against
-the op (its two kernels up to ``SMALL_TOKENS`` tokens, the same chain above), both under
+the op (its two kernels up to ``KERNEL_TOKENS`` tokens, the same chain above), both under
 ``torch.compile(fullgraph=True)``. Device µs from CUDA-graph replays: L2 warm (10 calls a
 graph) and L2 flushed (one call, 256 MB written before each replay; the weights, 29 MB,
 fit in L2); the kernels one call launches (profiler); the floor: bytes read and written at
@@ -26,7 +26,7 @@ from einops import rearrange
 
 import dsa  # noqa: F401  (registers torch.ops.dsa)
 from dsa.ops.kcache import kcache_views
-from dsa.ops.project import SMALL_TOKENS
+from dsa.ops.project import KERNEL_TOKENS
 from dsa.rope import rope_table
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -36,7 +36,7 @@ from _report import add_row, copy_bandwidth, graph_us, markdown_table, publish, 
 from bench_prologue import kernels_per_call  # noqa: E402
 from test_prologue import signed_steps  # noqa: E402
 
-TOKENS = (1, 2, 4, 8)
+TOKENS = (1, 2, 4, 8, 16, 64, 128, 256, 512, 1024)
 HIDDEN, Q_LORA, D, H, ROPE_DIM, MAX_LEN = 7168, 1536, 128, 64, 64, 1 << 16
 ops = torch.ops.dsa
 
@@ -117,7 +117,7 @@ def main() -> None:
              "LayerNorm and casts, then rope_hadamard_quantize_and_cache_k and "
              "rope_hadamard_quantize_q, under torch.compile; op = "
              "dsa::project_quantize_and_cache_k under torch.compile (its kernels up to "
-             f"{SMALL_TOKENS} tokens); medians of CUDA-graph replays (warm: 10 calls per "
+             f"{KERNEL_TOKENS} tokens); medians of CUDA-graph replays (warm: 10 calls per "
              "graph; flushed: one call after 256 MB written); kernels: device activities of "
              f"one call (profiler); copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     title = "Indexer prologue from the hidden state: projections, RoPE, Hadamard, fp8, K write"

@@ -17,7 +17,7 @@ from dsa.meta.decode import DecodeMetadata
 from dsa.meta.prefill import PrefillMetadata
 from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor
 from dsa.ops.dcp import owned_indices
-from dsa.ops.project import SMALL_TOKENS, project_torch
+from dsa.ops.project import KERNEL_TOKENS, project_torch
 from dsa.rope import YarnScaling, rope_scaling_from_hf, rope_table
 
 ops = torch.ops.dsa
@@ -207,7 +207,7 @@ class Indexer(nn.Module):
         # outside [0, max_model_len) into the RoPE table; such a token writes no K and selects
         # nothing (meta.valid_tokens).
         rotation = (self.rope_cos_sin, positions, self.hadamard, cfg.ue8m0_scales)
-        if hidden.shape[0] <= SMALL_TOKENS:  # two launches instead of about ten
+        if hidden.shape[0] <= KERNEL_TOKENS:  # two launches instead of about ten
             q_fp8, head_weights = ops.project_quantize_and_cache_k(
                 hidden, q_latent, self.wq_b.weight, self.wk.weight, self.k_norm.weight,
                 self.k_norm.bias, self.k_norm.eps, self.weights_proj.weight, self.kv_cache,

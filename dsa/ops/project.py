@@ -13,18 +13,21 @@ layer's three projections, then its two prologue ops (τ = hidden's dtype)::
     q_fp8, head_weights = rope_hadamard_quantize_q(q, weights, cos_sin, positions, ...)
 
 A decode step multiplies a few tokens by three weight matrices (28 MB at V3.2's sizes):
-what it costs is reading them once. On CUDA, up to ``SMALL_TOKENS`` tokens take two Triton
-launches: fp32 partial sums of the three products over slices of their inner dims, then a
+what it costs is reading them once. On CUDA, up to ``KERNEL_TOKENS`` tokens take two
+Triton launches: fp32 partial sums of the three products over slices of their inner dims
+(one token at a time up to ``SMALL_TOKENS``, matrix products of token tiles above), then a
 program per tile of (token, head) rows that adds up its q and weight partials and runs the
 q prologue, and one per token that adds up its k partials, normalises k and runs the k
 prologue. That replaces the GEMMs, their split-K reductions, the casts, the LayerNorm and
 the two prologue launches. The partial sums run in fp32, in another order than a GEMM's.
 More tokens, and the CPU, take the torch ops and the prologue ops' faces; ``dsa.Indexer``
-calls those itself above ``SMALL_TOKENS`` tokens, so torch.compile fuses them with their
+calls those itself above ``KERNEL_TOKENS`` tokens, so torch.compile fuses them with their
 neighbours.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -62,22 +65,50 @@ from dsa.ops.quant import (
     weight_scale,
 )
 
-# Tokens up to which the CUDA face runs its own kernels (a decode step of one to four
-# tokens: one request, or a few, with next_n up to 4); more take the GEMMs. H200
-# (BENCHMARKS.md, "Indexer prologue from the hidden state"): one token in 10.5 us against
-# 25.8 for the torch chain (9 kernels), 4 tokens 17.9 against 37.7, 8 tokens slower than it.
-SMALL_TOKENS = 4
-# Columns of a weight matrix and inner-dim elements a partial-sums program multiplies per
-# step; Q_STEPS steps make one program's slice of the q_lora dim, and its warps.
-COLS, STEP, Q_STEPS, PARTIALS_WARPS = 32, 128, 2, 4
+# Tokens up to which the CUDA face runs its own kernels; more (a long prefill chunk) take
+# the GEMMs. Up to SMALL_TOKENS (one: a decode step of one request) the partial sums are
+# products of one token at a time, above it matrix products of a tile of tokens. H200
+# (662e3da, one call after an L2 flush): one token 18.4 us against 19.7 by matrix
+# products, 4 tokens 19.9 against 25.4 one at a time, 512 tokens 82.1 against 105.3 for
+# the GEMMs and the prologue ops.
+KERNEL_TOKENS = 512
+SMALL_TOKENS = 1
+# Up to SMALL_TOKENS: columns of a weight matrix a program multiplies, inner-dim elements
+# per step, steps of a hidden-dim and a q_lora-dim slice, warps.
+COLS, STEP, HIDDEN_STEPS, Q_STEPS, PARTIALS_WARPS = 32, 128, 4, 2, 4
+# Above SMALL_TOKENS: inner-dim elements per step (64: a program of 64 tokens holds its
+# operands in registers without spilling), steps of a hidden-dim slice, columns of wq_b per
+# program; tokens, warps and q_lora-dim slice steps of a program by T (partials_plan).
+TILE_STEP, TILE_HIDDEN_STEPS, TILE_Q_COLS = 64, 8, 64
 
 
-def hidden_steps(tokens: int) -> int:
-    """Steps of a partial-sums program's slice of the hidden dim: 4 up to 2 tokens (the k
-    program of the second launch adds up half as many slices), else 2. H200 (2f861a3), one
-    call flushed: 18.8 against 19.2 us at T = 1, 20.2 against 20.7 at T = 2, 27.3 against
-    25.9 at T = 4."""
-    return 4 if tokens <= 2 else 2
+class PartialsPlan(NamedTuple):
+    """How the partial-sums launch covers T tokens: programs of ``tokens`` tokens, matrix
+    products (``dot``) or one token at a time, slices of ``hidden_steps`` and ``q_steps``
+    steps of ``step`` elements, ``q_cols`` columns of ``wq_b`` per program, ``warps``."""
+
+    tokens: int
+    dot: bool
+    step: int
+    hidden_steps: int
+    q_steps: int
+    q_cols: int
+    warps: int
+
+
+def partials_plan(tokens: int) -> PartialsPlan:
+    """The partial-sums launch of a call of ``tokens`` tokens. Above SMALL_TOKENS, H200
+    (77f4233, one call after an L2 flush; BENCHMARKS.md, "Session of 2026-12-01, eighth"):
+    up to 64 tokens one tile of 4 warps, the q_lora dim in two slices (21.2 against 24.9
+    us at T = 8, 24.3 against 28.8 at T = 64); above, tiles of 128 tokens in 8 warps, the
+    q_lora dim whole (33.8 against 34.6 us at T = 128, 49.3 against 51.1 at T = 256)."""
+    if tokens <= SMALL_TOKENS:
+        return PartialsPlan(triton.next_power_of_2(tokens), False, STEP, HIDDEN_STEPS,
+                            Q_STEPS, COLS, PARTIALS_WARPS)
+    if tokens <= 64:
+        return PartialsPlan(max(16, triton.next_power_of_2(tokens)), True, TILE_STEP,
+                            TILE_HIDDEN_STEPS, 12, TILE_Q_COLS, 4)
+    return PartialsPlan(128, True, TILE_STEP, TILE_HIDDEN_STEPS, 24, TILE_Q_COLS, 8)
 
 
 class _Sizes:
@@ -195,47 +226,125 @@ def _slice_products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo,
 
 
 @triton.jit
+def _tile_products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo,
+                   TP: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr,
+                   SLICE_STEPS: tl.constexpr, NATIVE: tl.constexpr):
+    """:func:`_slice_products` for a tile of TP tokens by matrix products, their operands'
+    products exact and summed in fp32: NATIVE, in the operands' dtype where both share a
+    16-bit one, else in fp32 (without TF32)."""
+    t = tl.arange(0, TP)
+    acc = tl.zeros([TP, COLS], tl.float32)
+    for step in range(SLICE_STEPS):
+        e = lo + step * STEP + tl.arange(0, STEP)
+        e_ok = (e < width)[None, :]
+        x = tl.load(x_ptr + t[:, None].to(tl.int64) * x_s0 + e[None, :].to(tl.int64) * x_s1,
+                    mask=(t < tokens)[:, None] & e_ok, other=0.0)
+        w = tl.load(w_rows[:, None] + e[None, :].to(tl.int64) * w_s1,
+                    mask=rows_ok[:, None] & e_ok, other=0.0)
+        if NATIVE and (x.dtype == w.dtype) and (x.dtype != tl.float32):
+            acc = tl.dot(x, tl.trans(w), acc)
+        elif NATIVE and (x.dtype == tl.bfloat16) and (w.dtype == tl.float32):
+            acc = _split_dot(x, w, acc)
+        else:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
+                         input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _split_dot(x, w, acc):
+    """``acc + x @ w.T`` for bf16 ``x`` and fp32 ``w`` in three bf16 products: ``w`` as the
+    sum of three bf16 pieces (8 of its 24 significant bits each, exact), each product exact
+    in fp32."""
+    high = w.to(tl.bfloat16)
+    rest = w - high.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    low = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    acc = tl.dot(x, tl.trans(high), acc)
+    acc = tl.dot(x, tl.trans(mid), acc)
+    return tl.dot(x, tl.trans(low), acc)
+
+
+@triton.jit
+def _products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo,
+              TP: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr,
+              SLICE_STEPS: tl.constexpr, DOT: tl.constexpr):
+    """The partial sums of a program: DOT 0 :func:`_slice_products`, 1
+    :func:`_tile_products` in fp32, 2 the same with native 16-bit operands."""
+    if DOT:
+        acc = _tile_products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo, TP,
+                             COLS, STEP, SLICE_STEPS, DOT == 2)
+    else:
+        acc = _slice_products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo, TP,
+                              COLS, STEP, SLICE_STEPS)
+    return acc
+
+
+@triton.jit
+def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wp_ptr, wp_s0, wp_s1,
+                     hpart_ptr, tokens, width, D: tl.constexpr, H: tl.constexpr,
+                     TP: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr,
+                     H_STEPS: tl.constexpr, DOT: tl.constexpr):
+    """``hpart[s, t, c]`` of program ``pid = s * H_BLOCKS + block``: COLS columns c of
+    ``[wk; weights_proj]`` (k's D, then the H head weights), tokens ``t0 .. t0 + TP - 1``."""
+    K_BLOCKS: tl.constexpr = (D + COLS - 1) // COLS
+    H_BLOCKS: tl.constexpr = K_BLOCKS + (H + COLS - 1) // COLS
+    c = tl.arange(0, COLS)
+    t = t0 + tl.arange(0, TP)
+    x = x_ptr + t0.to(tl.int64) * x_s0
+    s = pid // H_BLOCKS
+    block = pid % H_BLOCKS
+    lo = s * (H_STEPS * STEP)
+    if block < K_BLOCKS:
+        rows = block * COLS + c
+        acc = _products(x, x_s0, x_s1, wk_ptr + rows.to(tl.int64) * wk_s0, wk_s1, rows < D,
+                        tokens - t0, width, lo, TP, COLS, STEP, H_STEPS, DOT)
+        col, col_ok = rows, rows < D
+    else:
+        rows = (block - K_BLOCKS) * COLS + c
+        acc = _products(x, x_s0, x_s1, wp_ptr + rows.to(tl.int64) * wp_s0, wp_s1, rows < H,
+                        tokens - t0, width, lo, TP, COLS, STEP, H_STEPS, DOT)
+        col, col_ok = D + rows, rows < H
+    out = hpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * (D + H) + col[None, :]
+    tl.store(out, acc, mask=(t < tokens)[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _q_partials(q_pid, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, qpart_ptr, tokens,
+                q_width, N: tl.constexpr, TP: tl.constexpr, Q_COLS: tl.constexpr,
+                STEP: tl.constexpr, Q_STEPS: tl.constexpr, DOT: tl.constexpr):
+    """``qpart[s, t, c]`` of program ``q_pid = s * Q_BLOCKS + block``: Q_COLS of the N
+    columns of ``wq_b``, tokens ``t0 .. t0 + TP - 1``."""
+    Q_BLOCKS: tl.constexpr = (N + Q_COLS - 1) // Q_COLS
+    t = t0 + tl.arange(0, TP)
+    s = q_pid // Q_BLOCKS
+    col = (q_pid % Q_BLOCKS) * Q_COLS + tl.arange(0, Q_COLS)
+    acc = _products(ql_ptr + t0.to(tl.int64) * ql_s0, ql_s0, ql_s1,
+                    wq_ptr + col.to(tl.int64) * wq_s0, wq_s1, col < N, tokens - t0, q_width,
+                    s * (Q_STEPS * STEP), TP, Q_COLS, STEP, Q_STEPS, DOT)
+    out = qpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * N + col[None, :]
+    tl.store(out, acc, mask=(t < tokens)[:, None] & (col < N)[None, :])
+
+
+@triton.jit
 def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_s1, wp_ptr,
                      wp_s0, wp_s1, wq_ptr, wq_s0, wq_s1, hpart_ptr, qpart_ptr, tokens, width,
                      q_width, D: tl.constexpr, H: tl.constexpr, TP: tl.constexpr,
-                     COLS: tl.constexpr, STEP: tl.constexpr, H_STEPS: tl.constexpr,
-                     Q_STEPS: tl.constexpr,
-                     H_SLICES: tl.constexpr):
-    """Program (slice s, block of COLS columns): the first ``H_SLICES * H_BLOCKS`` programs
-    ``hpart[s, t, c]`` for the columns c of ``[wk; weights_proj]`` (k's D, then the H head
-    weights) over the hidden dim, the others ``qpart[s, t, c]`` for those of ``wq_b`` over
-    the q_lora dim; every token t."""
+                     COLS: tl.constexpr, Q_COLS: tl.constexpr, STEP: tl.constexpr,
+                     H_STEPS: tl.constexpr, Q_STEPS: tl.constexpr, H_SLICES: tl.constexpr,
+                     DOT: tl.constexpr):
+    """Program (i, j), tokens ``j * TP ..``: the first ``H_SLICES * H_BLOCKS`` programs i
+    :func:`_hidden_partials` (over the hidden dim), the others :func:`_q_partials` (over the
+    q_lora dim)."""
     pid = tl.program_id(0)
-    K_BLOCKS: tl.constexpr = (D + COLS - 1) // COLS
-    H_BLOCKS: tl.constexpr = K_BLOCKS + (H + COLS - 1) // COLS
-    Q_BLOCKS: tl.constexpr = (H * D + COLS - 1) // COLS
-    c = tl.arange(0, COLS)
-    t = tl.arange(0, TP)
-    if pid < H_SLICES * H_BLOCKS:
-        s = pid // H_BLOCKS
-        block = pid % H_BLOCKS
-        lo = s * (H_STEPS * STEP)
-        if block < K_BLOCKS:
-            rows = block * COLS + c
-            acc = _slice_products(x_ptr, x_s0, x_s1, wk_ptr + rows.to(tl.int64) * wk_s0, wk_s1,
-                                  rows < D, tokens, width, lo, TP, COLS, STEP, H_STEPS)
-            col, col_ok = rows, rows < D
-        else:
-            rows = (block - K_BLOCKS) * COLS + c
-            acc = _slice_products(x_ptr, x_s0, x_s1, wp_ptr + rows.to(tl.int64) * wp_s0, wp_s1,
-                                  rows < H, tokens, width, lo, TP, COLS, STEP, H_STEPS)
-            col, col_ok = D + rows, rows < H
-        out = hpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * (D + H) + col[None, :]
+    t0 = tl.program_id(1) * TP
+    H_PROGRAMS: tl.constexpr = H_SLICES * ((D + COLS - 1) // COLS + (H + COLS - 1) // COLS)
+    if pid < H_PROGRAMS:
+        _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wp_ptr, wp_s0,
+                         wp_s1, hpart_ptr, tokens, width, D, H, TP, COLS, STEP, H_STEPS, DOT)
     else:
-        q_pid = pid - H_SLICES * H_BLOCKS
-        s = q_pid // Q_BLOCKS
-        col = (q_pid % Q_BLOCKS) * COLS + c
-        col_ok = col < H * D
-        acc = _slice_products(ql_ptr, ql_s0, ql_s1, wq_ptr + col.to(tl.int64) * wq_s0, wq_s1,
-                              col_ok, tokens, q_width, s * (Q_STEPS * STEP), TP, COLS, STEP,
-                              Q_STEPS)
-        out = qpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * (H * D) + col[None, :]
-    tl.store(out, acc, mask=(t < tokens)[:, None] & col_ok[None, :])
+        _q_partials(pid - H_PROGRAMS, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1,
+                    qpart_ptr, tokens, q_width, H * D, TP, Q_COLS, STEP, Q_STEPS, DOT)
 
 
 @triton.jit
@@ -340,27 +449,29 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
                    kv_cache: Tensor, slot_mapping: Tensor, cos_sin: Tensor, positions: Tensor,
                    hadamard: bool, ue8m0: bool, q_fp8: Tensor, head_weights: Tensor) -> None:
     """The two Triton launches into ``q_fp8``, ``head_weights`` and the cache (arguments
-    already validated; at most ``SMALL_TOKENS`` tokens)."""
+    already validated; at most ``KERNEL_TOKENS`` tokens)."""
     n = _Sizes(hidden, q_latent, wk, weights_proj)
-    if n.tokens > SMALL_TOKENS:
+    if n.tokens > KERNEL_TOKENS:
         raise ValueError(f"dsa.project_quantize_and_cache_k: the kernels take at most "
-                         f"{SMALL_TOKENS} tokens, got {n.tokens}")
+                         f"{KERNEL_TOKENS} tokens, got {n.tokens}")
     if n.tokens == 0:
         return
-    h_steps = hidden_steps(n.tokens)
-    h_slices = triton.cdiv(n.width, h_steps * STEP)
-    q_slices = triton.cdiv(n.q_width, Q_STEPS * STEP)
+    plan = partials_plan(n.tokens)
+    h_slices = triton.cdiv(n.width, plan.hidden_steps * plan.step)
+    q_slices = triton.cdiv(n.q_width, plan.q_steps * plan.step)
     h_blocks = triton.cdiv(n.head_dim, COLS) + triton.cdiv(n.heads, COLS)
-    q_blocks = triton.cdiv(n.heads * n.head_dim, COLS)
+    q_blocks = triton.cdiv(n.heads * n.head_dim, plan.q_cols)
     f32 = {"dtype": torch.float32, "device": hidden.device}
     hpart = torch.empty(h_slices, n.tokens, n.head_dim + n.heads, **f32)
     qpart = torch.empty(q_slices, n.tokens, n.heads * n.head_dim, **f32)
-    launch(_partials_kernel, (h_slices * h_blocks + q_slices * q_blocks,),
+    launch(_partials_kernel,
+           (h_slices * h_blocks + q_slices * q_blocks, triton.cdiv(n.tokens, plan.tokens)),
            hidden, *hidden.stride(), q_latent, *q_latent.stride(), wk, *wk.stride(),
            weights_proj, *weights_proj.stride(), wq_b, *wq_b.stride(), hpart, qpart,
-           n.tokens, n.width, n.q_width, D=n.head_dim, H=n.heads,
-           TP=triton.next_power_of_2(n.tokens), COLS=COLS, STEP=STEP, H_STEPS=h_steps,
-           Q_STEPS=Q_STEPS, H_SLICES=h_slices, num_warps=PARTIALS_WARPS)
+           n.tokens, n.width, n.q_width, D=n.head_dim, H=n.heads, TP=plan.tokens, COLS=COLS,
+           Q_COLS=plan.q_cols, STEP=plan.step, H_STEPS=plan.hidden_steps, Q_STEPS=plan.q_steps,
+           H_SLICES=h_slices, DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0,
+           num_warps=plan.warps)
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
     block_d = triton.next_power_of_2(n.head_dim)
@@ -391,7 +502,7 @@ def _project_quantize_cuda(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: T
     args = (hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps, weights_proj)
     rotation = (cos_sin, positions, hadamard, ue8m0)
     outputs = _project_quantize_out(*args, kv_cache, slot_mapping, *rotation)
-    if hidden.shape[0] <= SMALL_TOKENS:
+    if hidden.shape[0] <= KERNEL_TOKENS:
         project_triton(*args, kv_cache, slot_mapping, *rotation, *outputs)
         return outputs
     q, k, weights = project_torch(*args)
