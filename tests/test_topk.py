@@ -266,7 +266,8 @@ def test_candidates_over_capacity(search, bf16):
     table = slot_table(7, 3, 600, 16)
     slots = torch.empty(3, 40, dtype=torch.int32)
     launch = dict(parts=4, block=32, select_cap=128, sample_groups=16, margin=12.0,
-                  finish_block=32, num_warps=1, select_warps=1, search=search)
+                  finish_block=32, num_warps=1, select_warps=1, search=search,
+                  select_regs=128, candidates_regs=96)
     streamed = SEARCH_NAMES[(SEARCH_NAMES.index(search) + 1) % len(SEARCH_NAMES)]
     for out in (launch_topk(logits, lengths, 40, starts, **launch),
                 launch_topk(logits, lengths, 40, starts, slots=SlotArgs(slots, *table),
@@ -511,6 +512,7 @@ def test_gpu_launch_variants(parts, kind):
                     *(dict(parts=parts, search=search) for search in SEARCH_NAMES),
                     *(dict(parts=parts, margin=-100.0, search=search) for search in SEARCH_NAMES),
                     dict(parts=parts, early_load=True), dict(parts=parts, margin=12.0),
+                    dict(parts=parts, select_warps=4, select_regs=128, candidates_regs=96),
                     *(dict(parts=parts, select_cap=2048, streamed_search=search)
                       for search in SEARCH_NAMES)):
         out = launch_topk(logits, lengths, 2048, starts, **variant)

@@ -343,6 +343,11 @@ MAX_SELECT_CAP = 1 << 15
 SEARCHES = {"trisect": (0, 2), "quintisect": (0, 4), "radix": (8, 2), "radix4": (4, 2)}
 
 
+def _regs(maxnreg: int | None) -> dict[str, int]:
+    """Triton's launch option capping a kernel's registers per thread (none when None)."""
+    return {} if maxnreg is None else {"maxnreg": maxnreg}
+
+
 def _power_of_two(**values: int) -> None:
     for name, value in values.items():
         if value < 1 or value & (value - 1):
@@ -386,6 +391,12 @@ class Tuning:
         eight cheaper passes); bf16 logits are searched on 16-bit keys. streamed_search:
         the same for the searches that stream the candidates or the row once per step
         (None: ``search``), where a pass costs reads and fewer passes win.
+    candidates_regs, select_regs: registers per thread the compiler may use in the
+        candidates pass and the select kernel (Triton's ``maxnreg``; None: its own choice).
+        Fewer registers leave room for more programs per SM, which a GPU full of rows
+        (prefill) needs more than each program's speed (Triton 3.6, sm_90: the select
+        kernel takes 217 registers at 4 warps, 2 programs per SM, and 128 without spilling
+        when capped there, 4 per SM).
     preload_rows: with at most this many rows read whole (and no starts), a row's load is
         issued before its length is known (the latency of one read fewer; more rows hide
         it anyway, and the load reads past short lengths). finish_block: step of the rows
@@ -408,6 +419,8 @@ class Tuning:
     many_rows: int = 128
     preload_rows: int = 128
     finish_block: int = 2048
+    candidates_regs: int | None = None
+    select_regs: int | None = None
     search: str = "trisect"  # H200: quintisect 31.8 µs vs 28.5 at 64x64K (bench_topk_sweep)
     streamed_search: str | None = "quintisect"  # a row streamed: 207 µs vs 336 (trisect)
     early_load: bool = False
@@ -477,7 +490,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
             *head, cand, counts, n_cols, k, min(max(float(tune.margin), -1e4), 1e4),
             PARTS=parts, G=sample_groups, W=sample_width, CAP=select_cap, BLOCK=block,
             C=min(block, 128 * tune.num_warps), EARLY_LOAD=bool(tune.early_load),
-            num_warps=tune.num_warps, **flags,
+            num_warps=tune.num_warps, **flags, **_regs(tune.candidates_regs),
         )
     if slots is None:  # placeholders, never read
         slot_args = (out, lengths, 0, lengths, 0, 0, 0)
@@ -493,7 +506,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
         C=min(select_cap, block, 128 * select_warps), BLOCK=block, FINISH_BLOCK=finish_block,
         STREAM_RADIX=stream_radix, STREAM_PIVOTS=stream_pivots,
         PRELOAD=n_cols <= select_cap and starts is None and rows <= tune.preload_rows,
-        num_warps=select_warps, **flags, **slot_flags,
+        num_warps=select_warps, **flags, **slot_flags, **_regs(tune.select_regs),
     )
     return out
 
