@@ -23,6 +23,7 @@ from dsa.ops import FACES
 from dsa.ops.topk.indices import (
     SEARCHES,
     SlotArgs,
+    _regs,
     choose_block,
     choose_parts,
     choose_sample_groups,
@@ -266,7 +267,8 @@ def test_candidates_over_capacity(search, bf16):
     table = slot_table(7, 3, 600, 16)
     slots = torch.empty(3, 40, dtype=torch.int32)
     launch = dict(parts=4, block=32, select_cap=128, sample_groups=16, margin=12.0,
-                  finish_block=32, num_warps=1, select_warps=1, search=search)
+                  finish_block=32, num_warps=1, select_warps=1, search=search,
+                  select_regs=128, candidates_regs=96)
     streamed = SEARCH_NAMES[(SEARCH_NAMES.index(search) + 1) % len(SEARCH_NAMES)]
     for out in (launch_topk(logits, lengths, 40, starts, **launch),
                 launch_topk(logits, lengths, 40, starts, slots=SlotArgs(slots, *table),
@@ -321,6 +323,14 @@ def test_choose_select_warps():
     assert choose_select_warps(256, 8192, 8192) == 4
     assert choose_select_warps(64, 8192, 8192) == 8
     assert choose_select_warps(256, 65536, 4096) == 8
+    assert choose_select_warps(4096, 32768, 4096) == 4  # prefill: a GPU full of rows
+
+
+def test_register_caps_apply_to_many_rows():
+    assert _regs(None, 96, 4096, 1024) == {"maxnreg": 96}
+    assert _regs(None, 96, 64, 1024) == {}
+    assert _regs(0, 96, 4096, 1024) == {}
+    assert _regs(80, 96, 64, 1024) == {"maxnreg": 80}
 
 
 EDGE_CASES = {
@@ -511,6 +521,7 @@ def test_gpu_launch_variants(parts, kind):
                     *(dict(parts=parts, search=search) for search in SEARCH_NAMES),
                     *(dict(parts=parts, margin=-100.0, search=search) for search in SEARCH_NAMES),
                     dict(parts=parts, early_load=True), dict(parts=parts, margin=12.0),
+                    dict(parts=parts, select_warps=4, select_regs=128, candidates_regs=96),
                     *(dict(parts=parts, select_cap=2048, streamed_search=search)
                       for search in SEARCH_NAMES)):
         out = launch_topk(logits, lengths, 2048, starts, **variant)

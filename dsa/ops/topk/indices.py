@@ -330,17 +330,25 @@ def choose_sample_groups(n_cols: int, k: int, parts: int, *, groups: int, width:
     return max(groups, min(enough, MAX_SELECT_CAP // width))
 
 
-def choose_select_warps(rows: int, n_cols: int, select_cap: int, *, many_rows: int = 128
-                        ) -> int:
-    """Warps of the select kernel: 4 when it reads many whole rows (more programs per SM),
-    else 8 (shorter reductions for the few)."""
-    return 4 if n_cols <= select_cap and rows >= many_rows else 8
+def choose_select_warps(rows: int, n_cols: int, select_cap: int, *, many_rows: int = 128,
+                        scale_rows: int = 1024) -> int:
+    """Warps of the select kernel: 4 when it reads many whole rows, or with at least
+    ``scale_rows`` rows (more programs per SM), else 8 (shorter reductions for the few)."""
+    return 4 if (n_cols <= select_cap and rows >= many_rows) or rows >= scale_rows else 8
 
 
 # the search packs two counts below 2**16 into one int32
 MAX_SELECT_CAP = 1 << 15
 # Tuning.search -> (digit bits of the radix select (0: multisection), pivots per step)
 SEARCHES = {"trisect": (0, 2), "quintisect": (0, 4), "radix": (8, 2), "radix4": (4, 2)}
+
+
+def _regs(maxnreg: int | None, full: int, rows: int, scale_rows: int) -> dict[str, int]:
+    """Triton's launch option capping a kernel's registers per thread: ``maxnreg``, or for
+    None ``full`` with at least ``scale_rows`` rows and no cap below; 0: no cap."""
+    if maxnreg is None:
+        maxnreg = full if rows >= scale_rows else 0
+    return {"maxnreg": maxnreg} if maxnreg else {}
 
 
 def _power_of_two(**values: int) -> None:
@@ -386,6 +394,14 @@ class Tuning:
         eight cheaper passes); bf16 logits are searched on 16-bit keys. streamed_search:
         the same for the searches that stream the candidates or the row once per step
         (None: ``search``), where a pass costs reads and fewer passes win.
+    candidates_regs, select_regs: registers per thread the compiler may use in the
+        candidates pass and the select kernel (Triton's ``maxnreg``; 0: its own choice;
+        None: 96 and 128 with at least ``scale_rows`` rows, its own choice below). Fewer
+        registers leave room for more programs per SM, which a GPU full of rows (prefill)
+        needs more than each program's speed. H200 (a9234ab, ms): 4096 causal rows of 128K
+        columns, candidates 1.95 -> 1.41 (96); 16K causal rows of 8K, select 0.395 -> 0.295
+        (128, 4 warps); 64 rows of 64K, candidates 0.017 -> 0.025 (128), select 0.020 ->
+        0.037 (128, 4 warps), so not below ``scale_rows``.
     preload_rows: with at most this many rows read whole (and no starts), a row's load is
         issued before its length is known (the latency of one read fewer; more rows hide
         it anyway, and the load reads past short lengths). finish_block: step of the rows
@@ -408,6 +424,8 @@ class Tuning:
     many_rows: int = 128
     preload_rows: int = 128
     finish_block: int = 2048
+    candidates_regs: int | None = None
+    select_regs: int | None = None
     search: str = "trisect"  # H200: quintisect 31.8 µs vs 28.5 at 64x64K (bench_topk_sweep)
     streamed_search: str | None = "quintisect"  # a row streamed: 207 µs vs 336 (trisect)
     early_load: bool = False
@@ -454,7 +472,8 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     sample_groups = choose_sample_groups(n_cols, k, parts, groups=sample_groups,
                                          width=sample_width, expect=tune.sample_expect)
     if select_warps is None:
-        select_warps = choose_select_warps(rows, n_cols, select_cap, many_rows=tune.many_rows)
+        select_warps = choose_select_warps(rows, n_cols, select_cap, many_rows=tune.many_rows,
+                                           scale_rows=tune.scale_rows)
     _power_of_two(parts=parts, block=block, finish_block=finish_block, select_cap=select_cap,
                   sample_groups=sample_groups, sample_width=sample_width)
     if max(block, finish_block, select_cap, sample_groups * sample_width) > MAX_SELECT_CAP:
@@ -478,6 +497,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
             PARTS=parts, G=sample_groups, W=sample_width, CAP=select_cap, BLOCK=block,
             C=min(block, 128 * tune.num_warps), EARLY_LOAD=bool(tune.early_load),
             num_warps=tune.num_warps, **flags,
+            **_regs(tune.candidates_regs, 96, rows, tune.scale_rows),
         )
     if slots is None:  # placeholders, never read
         slot_args = (out, lengths, 0, lengths, 0, 0, 0)
@@ -494,6 +514,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
         STREAM_RADIX=stream_radix, STREAM_PIVOTS=stream_pivots,
         PRELOAD=n_cols <= select_cap and starts is None and rows <= tune.preload_rows,
         num_warps=select_warps, **flags, **slot_flags,
+        **_regs(tune.select_regs, 128, rows, tune.scale_rows),
     )
     return out
 
