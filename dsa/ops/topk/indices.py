@@ -394,9 +394,11 @@ class Tuning:
     candidates_regs, select_regs: registers per thread the compiler may use in the
         candidates pass and the select kernel (Triton's ``maxnreg``; None: its own choice).
         Fewer registers leave room for more programs per SM, which a GPU full of rows
-        (prefill) needs more than each program's speed (Triton 3.6, sm_90: the select
-        kernel takes 217 registers at 4 warps, 2 programs per SM, and 128 without spilling
-        when capped there, 4 per SM).
+        (prefill) needs more than each program's speed. H200 (a9234ab, ms, eager
+        launches): 4096 causal rows of 128K columns, candidates 1.95 -> 1.41 (96); 16K
+        causal rows of 8K, select 0.395 -> 0.295 (128, 4 warps); 64 rows of 64K slower
+        (candidates 0.017 -> 0.025 at 128). Not a default yet: whether torch.compile
+        passes ``maxnreg`` on to a ``wrap_triton`` kernel is unchecked.
     preload_rows: with at most this many rows read whole (and no starts), a row's load is
         issued before its length is known (the latency of one read fewer; more rows hide
         it anyway, and the load reads past short lengths). finish_block: step of the rows
