@@ -397,8 +397,9 @@ class Tuning:
         (prefill) needs more than each program's speed. H200 (a9234ab, ms, eager
         launches): 4096 causal rows of 128K columns, candidates 1.95 -> 1.41 (96); 16K
         causal rows of 8K, select 0.395 -> 0.295 (128, 4 warps); 64 rows of 64K slower
-        (candidates 0.017 -> 0.025 at 128). Not a default yet: whether torch.compile
-        passes ``maxnreg`` on to a ``wrap_triton`` kernel is unchecked.
+        (candidates 0.017 -> 0.025 at 128). Not a default yet: under torch.compile a
+        ``maxnreg`` launch keyword likely does not reach the kernel (inductor keeps a user
+        kernel's own arguments and a ``triton.Config``'s options; not yet run on a GPU).
     preload_rows: with at most this many rows read whole (and no starts), a row's load is
         issued before its length is known (the latency of one read fewer; more rows hide
         it anyway, and the load reads past short lengths). finish_block: step of the rows
