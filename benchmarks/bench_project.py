@@ -21,12 +21,10 @@ import pathlib
 import sys
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 
 import dsa  # noqa: F401  (registers torch.ops.dsa)
 from dsa.ops.kcache import kcache_views
-from dsa.ops.project import KERNEL_TOKENS
+from dsa.ops.project import KERNEL_TOKENS, project_torch
 from dsa.rope import rope_table
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -43,10 +41,8 @@ ops = torch.ops.dsa
 
 def torch_prologue(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, weights_proj, cache,
                    slots, cos_sin, positions):
-    q = rearrange(F.linear(q_latent, wq_b), "t (h d) -> t h d", d=D)
-    k = F.linear(hidden, wk)
-    k = F.layer_norm(k.float(), (D,), norm_weight, norm_bias, 1e-6).to(hidden.dtype)
-    weights = F.linear(hidden.float(), weights_proj)
+    q, k, weights = project_torch(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, 1e-6,
+                                  weights_proj)
     ops.rope_hadamard_quantize_and_cache_k(k, cache, slots, cos_sin, positions)
     return ops.rope_hadamard_quantize_q(q, weights, cos_sin, positions)
 
