@@ -16,7 +16,6 @@ sorted variants are timed next to it.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import statistics
@@ -34,7 +33,7 @@ from dsa.distributed import NCCL_NO_MULTICAST, all_gather
 from dsa.ops.dcp import global_positions
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import markdown_table, publish, report
+from _report import bench_parser, markdown_table, publish, report
 from bench_leaves import random_cache
 
 SHAPES = [(b, n) for n in (131072, 262144) for b in (1, 8, 64)]
@@ -216,8 +215,7 @@ def parse_shapes(text: str | None) -> list[tuple[int, int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", help="append the report to this markdown file")
+    parser = bench_parser()
     parser.add_argument("--shapes", help="BxL,BxL,... (default: B 1, 8, 64 at 128K and 256K)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the run")
     args = parser.parse_args()

@@ -24,7 +24,7 @@ import torch
 import dsa
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import graph_us, host_us, markdown_table, publish, report
+from _report import bench_parser, graph_us, host_us, markdown_table, publish, report
 from bench_step import HIDDEN, Q_LORA_RANK, full_decode
 
 BATCH, LENGTH = 64, 4096
@@ -72,8 +72,7 @@ def measure() -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", help="append the report to this markdown file")
+    parser = bench_parser()
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -12,7 +12,6 @@ has its own random fp8 K cache of B * L / 64 blocks (next_n 1, full contexts), a
 
 from __future__ import annotations
 
-import argparse
 import gc
 import pathlib
 import sys
@@ -23,7 +22,7 @@ import dsa
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-from _report import add_row, graph_us, markdown_table, publish, report
+from _report import add_row, bench_parser, graph_us, markdown_table, publish, report
 from bench_leaves import random_cache
 from model_decode import V32, Model
 
@@ -69,13 +68,12 @@ def bench(batch: int, length: int, share: dsa.IndexShare) -> list[object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = bench_parser()
     parser.add_argument("--shapes", nargs="+", default=["1x4096", "64x65536"],
                         help="BxL: requests x context length")
     parser.add_argument("--freqs", nargs="+", type=int, default=[1, 4],
                         help="index_topk_freq of the layer pattern (1: every layer indexes)")
     parser.add_argument("--layers", type=int, default=LAYERS)
-    parser.add_argument("--out", help="append the report to this markdown file")
     args = parser.parse_args()
     torch.manual_seed(0)
     header = ["B", "L", "layers", "full layers", "step device µs", "µs per layer",

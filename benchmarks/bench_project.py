@@ -16,7 +16,6 @@ the measured copy bandwidth.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 
@@ -30,7 +29,7 @@ from dsa.rope import rope_table
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _report import add_row, copy_bandwidth, graph_us, markdown_table, publish, report  # noqa: E402
+from _report import add_row, bench_parser, copy_bandwidth, graph_us, markdown_table, publish, report  # noqa: E402
 from bench_prologue import kernels_per_call  # noqa: E402
 from test_prologue import signed_steps  # noqa: E402
 
@@ -97,8 +96,7 @@ def bench_tokens(tokens: int, bandwidth: float) -> list[object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", help="append the report to this markdown file")
+    parser = bench_parser()
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     header = ["T", "torch warm µs", "torch flushed µs", "torch kernels", "op warm µs",

@@ -17,7 +17,6 @@ defaults (``row_tile``, ``tile_warps``) marked.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import pathlib
 import sys
@@ -31,7 +30,7 @@ from dsa.rope import rope_table
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _report import add_row, copy_bandwidth, graph_us, markdown_table, publish, report  # noqa: E402
+from _report import add_row, bench_parser, copy_bandwidth, graph_us, markdown_table, publish, report  # noqa: E402
 from unfused import hadamard_matrix, unfused_prologue  # noqa: E402
 
 TOKENS = (1, 64, 128)
@@ -114,8 +113,7 @@ def sweep_tiles() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", help="append the report to this markdown file")
+    parser = bench_parser()
     parser.add_argument("--tiles", action="store_true", help="sweep the kernels' tiles")
     args = parser.parse_args()
     if args.tiles:
