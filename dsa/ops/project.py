@@ -73,8 +73,9 @@ from dsa.ops.quant import (
 # the GEMMs and the prologue ops.
 KERNEL_TOKENS = 512
 SMALL_TOKENS = 1
-# Up to SMALL_TOKENS: columns of a weight matrix a program multiplies, inner-dim elements
-# per step, steps of a hidden-dim and a q_lora-dim slice, warps.
+# Columns of wk and weights_proj a program multiplies (every T) and, up to SMALL_TOKENS, of
+# wq_b; up to SMALL_TOKENS: inner-dim elements per step, steps of a hidden-dim and a
+# q_lora-dim slice, warps.
 COLS, STEP, HIDDEN_STEPS, Q_STEPS, PARTIALS_WARPS = 32, 128, 4, 2, 4
 # Above SMALL_TOKENS: inner-dim elements per step (64: a program of 64 tokens holds its
 # operands in registers without spilling), steps of a hidden-dim slice, columns of wq_b per
