@@ -23,6 +23,7 @@ from dsa.ops import FACES
 from dsa.ops.topk.indices import (
     SEARCHES,
     SlotArgs,
+    _regs,
     choose_block,
     choose_parts,
     choose_sample_groups,
@@ -322,6 +323,14 @@ def test_choose_select_warps():
     assert choose_select_warps(256, 8192, 8192) == 4
     assert choose_select_warps(64, 8192, 8192) == 8
     assert choose_select_warps(256, 65536, 4096) == 8
+    assert choose_select_warps(4096, 32768, 4096) == 4  # prefill: a GPU full of rows
+
+
+def test_register_caps_apply_to_many_rows():
+    assert _regs(None, 96, 4096, 1024) == {"maxnreg": 96}
+    assert _regs(None, 96, 64, 1024) == {}
+    assert _regs(0, 96, 4096, 1024) == {}
+    assert _regs(80, 96, 64, 1024) == {"maxnreg": 80}
 
 
 EDGE_CASES = {

@@ -330,11 +330,11 @@ def choose_sample_groups(n_cols: int, k: int, parts: int, *, groups: int, width:
     return max(groups, min(enough, MAX_SELECT_CAP // width))
 
 
-def choose_select_warps(rows: int, n_cols: int, select_cap: int, *, many_rows: int = 128
-                        ) -> int:
-    """Warps of the select kernel: 4 when it reads many whole rows (more programs per SM),
-    else 8 (shorter reductions for the few)."""
-    return 4 if n_cols <= select_cap and rows >= many_rows else 8
+def choose_select_warps(rows: int, n_cols: int, select_cap: int, *, many_rows: int = 128,
+                        scale_rows: int = 1024) -> int:
+    """Warps of the select kernel: 4 when it reads many whole rows, or with at least
+    ``scale_rows`` rows (more programs per SM), else 8 (shorter reductions for the few)."""
+    return 4 if (n_cols <= select_cap and rows >= many_rows) or rows >= scale_rows else 8
 
 
 # the search packs two counts below 2**16 into one int32
@@ -343,9 +343,12 @@ MAX_SELECT_CAP = 1 << 15
 SEARCHES = {"trisect": (0, 2), "quintisect": (0, 4), "radix": (8, 2), "radix4": (4, 2)}
 
 
-def _regs(maxnreg: int | None) -> dict[str, int]:
-    """Triton's launch option capping a kernel's registers per thread (none when None)."""
-    return {} if maxnreg is None else {"maxnreg": maxnreg}
+def _regs(maxnreg: int | None, full: int, rows: int, scale_rows: int) -> dict[str, int]:
+    """Triton's launch option capping a kernel's registers per thread: ``maxnreg``, or for
+    None ``full`` with at least ``scale_rows`` rows and no cap below; 0: no cap."""
+    if maxnreg is None:
+        maxnreg = full if rows >= scale_rows else 0
+    return {"maxnreg": maxnreg} if maxnreg else {}
 
 
 def _power_of_two(**values: int) -> None:
@@ -392,14 +395,14 @@ class Tuning:
         the same for the searches that stream the candidates or the row once per step
         (None: ``search``), where a pass costs reads and fewer passes win.
     candidates_regs, select_regs: registers per thread the compiler may use in the
-        candidates pass and the select kernel (Triton's ``maxnreg``; None: its own choice).
-        Fewer registers leave room for more programs per SM, which a GPU full of rows
-        (prefill) needs more than each program's speed. H200 (a9234ab, ms, eager
-        launches): 4096 causal rows of 128K columns, candidates 1.95 -> 1.41 (96); 16K
-        causal rows of 8K, select 0.395 -> 0.295 (128, 4 warps); 64 rows of 64K slower
-        (candidates 0.017 -> 0.025 at 128). Not a default yet: under torch.compile a
-        ``maxnreg`` launch keyword likely does not reach the kernel (inductor keeps a user
-        kernel's own arguments and a ``triton.Config``'s options; not yet run on a GPU).
+        candidates pass and the select kernel (Triton's ``maxnreg``; 0: its own choice;
+        None: 96 and 128 with at least ``scale_rows`` rows, its own choice below). Fewer
+        registers leave room for more programs per SM, which a GPU full of rows (prefill)
+        needs more than each program's speed. H200 (a9234ab, ms): 4096 causal rows of 128K
+        columns, candidates 1.95 -> 1.41 (96); 16K causal rows of 8K, select 0.395 -> 0.295
+        (128, 4 warps); 64 rows of 64K, candidates 0.017 -> 0.025 (128), select 0.020 ->
+        0.037 (128, 4 warps), so not below ``scale_rows``. torch.compile keeps the caps
+        (the launch keyword reaches the kernel: 1.41 ms compiled as eager, at 40a20ff).
     preload_rows: with at most this many rows read whole (and no starts), a row's load is
         issued before its length is known (the latency of one read fewer; more rows hide
         it anyway, and the load reads past short lengths). finish_block: step of the rows
@@ -470,7 +473,8 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     sample_groups = choose_sample_groups(n_cols, k, parts, groups=sample_groups,
                                          width=sample_width, expect=tune.sample_expect)
     if select_warps is None:
-        select_warps = choose_select_warps(rows, n_cols, select_cap, many_rows=tune.many_rows)
+        select_warps = choose_select_warps(rows, n_cols, select_cap, many_rows=tune.many_rows,
+                                           scale_rows=tune.scale_rows)
     _power_of_two(parts=parts, block=block, finish_block=finish_block, select_cap=select_cap,
                   sample_groups=sample_groups, sample_width=sample_width)
     if max(block, finish_block, select_cap, sample_groups * sample_width) > MAX_SELECT_CAP:
@@ -493,7 +497,8 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
             *head, cand, counts, n_cols, k, min(max(float(tune.margin), -1e4), 1e4),
             PARTS=parts, G=sample_groups, W=sample_width, CAP=select_cap, BLOCK=block,
             C=min(block, 128 * tune.num_warps), EARLY_LOAD=bool(tune.early_load),
-            num_warps=tune.num_warps, **flags, **_regs(tune.candidates_regs),
+            num_warps=tune.num_warps, **flags,
+            **_regs(tune.candidates_regs, 96, rows, tune.scale_rows),
         )
     if slots is None:  # placeholders, never read
         slot_args = (out, lengths, 0, lengths, 0, 0, 0)
@@ -509,7 +514,8 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
         C=min(select_cap, block, 128 * select_warps), BLOCK=block, FINISH_BLOCK=finish_block,
         STREAM_RADIX=stream_radix, STREAM_PIVOTS=stream_pivots,
         PRELOAD=n_cols <= select_cap and starts is None and rows <= tune.preload_rows,
-        num_warps=select_warps, **flags, **slot_flags, **_regs(tune.select_regs),
+        num_warps=select_warps, **flags, **slot_flags,
+        **_regs(tune.select_regs, 128, rows, tune.scale_rows),
     )
     return out
 
