@@ -223,17 +223,15 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
                    BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr, PRELOAD: tl.constexpr,
                    SLOTS: tl.constexpr, BS: tl.constexpr, RADIX: tl.constexpr,
                    PIVOTS: tl.constexpr, STREAM_RADIX: tl.constexpr,
-                   STREAM_PIVOTS: tl.constexpr, LOWEST: tl.constexpr, SCORES: tl.constexpr,
-                   REG_SLOTS: tl.constexpr):
+                   STREAM_PIVOTS: tl.constexpr, LOWEST: tl.constexpr, SCORES: tl.constexpr):
     """Program per row: ``valid <= k``: all; ``valid <= CAP``: the row read whole into
     registers; else the parts' candidates: in registers (at most CAP), streamed from the
     parts' regions (more than CAP, each part's stored whole), or, when they are not all
     stored or fewer than k, the streamed search over the row. LOWEST: ties at the k-th
     largest go to the lowest positions (a second search, on the positions of the equal
     keys, where the candidates hold them out of order). SCORES: the selected
-    logits (fp32) are written too, -inf past the valid ones. With SLOTS, the selection's
-    cache slots (``indices_to_slots`` of the row): with REG_SLOTS, where the selection is
-    held in registers, written with the indices; else the row's indices are read back.
+    logits (fp32) are written too, -inf past the valid ones. With SLOTS, the row's indices
+    are then read back and written as cache slots (``indices_to_slots`` of the row).
     STREAM_RADIX, STREAM_PIVOTS: the streamed searches' RADIX and PIVOTS."""
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -243,14 +241,9 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
     if SLOTS:  # the row's request, read while the row is selected
         table_row, req_ok = request_row(table_ptr, table_stride, tl.load(req_ptr + row),
                                         num_reqs)
-    else:
-        table_row, req_ok = table_ptr, False
     lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
     out_row = out_ptr + row.to(tl.int64) * k
     score_row = score_ptr + row.to(tl.int64) * k
-    slot_row = slots_ptr + row.to(tl.int64) * k
-    IN_REGS: tl.constexpr = SLOTS and REG_SLOTS
-    slots_written = hi < lo  # False: set where the selection wrote its slots
     if hi - lo <= k:
         write_all(out_row, score_row, row_ptr, lo, hi - lo, off, k, FINISH_BLOCK, SCORES)
     elif hi - lo <= CAP:
@@ -259,10 +252,8 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
             keys = search_key(whole)
         else:
             keys = search_key(tl.load(row_ptr + lo + j, mask=member, other=0.0))
-        select_write(keys, j + off, member, hi - lo, k, out_row, score_row, slot_row,
-                     table_row, req_ok, width, num_blocks, CAP, RADIX, PIVOTS, LOWEST, SCORES,
-                     IN_REGS, BS)
-        slots_written = hi >= lo
+        select_write(keys, j + off, member, hi - lo, k, out_row, score_row, CAP, RADIX,
+                     PIVOTS, LOWEST, SCORES)
     else:
         counts = count_ptr + row * PARTS
         cand_row = cand_ptr + row.to(tl.int64) * (PARTS * CAP)
@@ -271,9 +262,7 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
             member = j < total
             packed = gather(cand_row + src, member, CAP)
             select_write((packed >> 32).to(tl.int32), packed.to(tl.int32), member, total, k,
-                         out_row, score_row, slot_row, table_row, req_ok, width, num_blocks,
-                         CAP, RADIX, PIVOTS, LOWEST, SCORES, IN_REGS, BS)
-            slots_written = hi >= lo
+                         out_row, score_row, CAP, RADIX, PIVOTS, LOWEST, SCORES)
         elif (total >= k) & (largest <= CAP):  # all stored, streamed from the regions
             t, c_lo, c_hi = streamed_kth(cand_row, counts, k, 0, total, CAP, C, STREAM_RADIX,
                                          STREAM_PIVOTS, PARTS)
@@ -289,14 +278,14 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
                                          STREAM_PIVOTS, 0)
             write_streamed(row_ptr, counts, out_row, score_row, k, t, c_lo, c_hi, INT_MIN, lo,
                            hi, off, BLOCK, C, 0, LOWEST, SCORES)
-    if SLOTS:  # noqa: SIM102 (a compile-time test, then a run-time one)
-        if ~(slots_written & IN_REGS):
-            tl.debug_barrier()  # the row's indices, scattered by every thread, are in memory
-            for c in range(0, k, FINISH_BLOCK):
-                i = c + tl.arange(0, FINISH_BLOCK)
-                idx = tl.load(out_row + i, mask=i < k, other=-1)
-                tl.store(slot_row + i, slot_of(idx, table_row, req_ok, width, num_blocks, BS),
-                         mask=i < k)
+    if SLOTS:
+        tl.debug_barrier()  # the row's indices, scattered by every thread, are in memory
+        slot_row = slots_ptr + row.to(tl.int64) * k
+        for c in range(0, k, FINISH_BLOCK):
+            i = c + tl.arange(0, FINISH_BLOCK)
+            idx = tl.load(out_row + i, mask=i < k, other=-1)
+            tl.store(slot_row + i, slot_of(idx, table_row, req_ok, width, num_blocks, BS),
+                     mask=i < k)
 
 
 # --- launch ------------------------------------------------------------------------------
@@ -418,8 +407,7 @@ class Tuning:
         issued before its length is known (the latency of one read fewer; more rows hide
         it anyway, and the load reads past short lengths). finish_block: step of the rows
         with ``valid <= k`` and of the slot transform (one step for k = 2048: each step
-        waits for its reads). reg_slots: where the select kernel holds the selection in
-        registers, its slots are written with the indices (else read back with the others).
+        waits for its reads).
     """
 
     block: int | None = None
@@ -442,7 +430,6 @@ class Tuning:
     search: str = "trisect"  # H200: quintisect 31.8 µs vs 28.5 at 64x64K (bench_topk_sweep)
     streamed_search: str | None = "quintisect"  # a row streamed: 207 µs vs 336 (trisect)
     early_load: bool = False
-    reg_slots: bool = True
 
 
 TUNING = Tuning()
@@ -521,7 +508,6 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
         slot_args = (slots.out, table, table.stride(0), slots.row_requests, *table.shape,
                      slots.num_blocks)
         slot_flags = dict(SLOTS=True, BS=slots.block_size)
-    slot_flags["REG_SLOTS"] = bool(tune.reg_slots)
     launch(_select_kernel, (rows,),
         *head, cand, counts, out, logits if scores is None else scores, *slot_args, n_cols, k,
         PARTS=parts, CAP=select_cap, LOWEST=bool(lowest), SCORES=scores is not None,

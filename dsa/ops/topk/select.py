@@ -14,8 +14,6 @@ them."""
 import triton
 import triton.language as tl
 
-from dsa.ops.topk.slots import slot_of
-
 INT_MIN = tl.constexpr(-(2**31))
 INT_MAX = tl.constexpr(2**31 - 1)
 
@@ -293,21 +291,16 @@ def select_positions(keys, idx, member, count, k, RADIX: tl.constexpr,
 
 
 @triton.jit
-def select_write(keys, idx, member, count, k, out_row, score_row, slot_row, table_row,
-                 req_ok, width, num_blocks, N: tl.constexpr, RADIX: tl.constexpr,
-                 PIVOTS: tl.constexpr, LOWEST: tl.constexpr, SCORES: tl.constexpr,
-                 SLOTS: tl.constexpr, BS: tl.constexpr):
+def select_write(keys, idx, member, count, k, out_row, score_row, N: tl.constexpr,
+                 RADIX: tl.constexpr, PIVOTS: tl.constexpr, LOWEST: tl.constexpr,
+                 SCORES: tl.constexpr):
     """Writes the output indices ``idx`` of the k largest member keys of an ``[R, C]`` tile
     (N elements, ``count = count(member) > k``; ties as in :func:`select_positions`) and,
-    with SCORES, their values (fp32 keys) at ``score_row``; with SLOTS, their cache slots
-    (:func:`slot_of` through ``table_row``) at ``slot_row``."""
+    with SCORES, their values (fp32 keys) at ``score_row``."""
     taken, pos = select_positions(keys, idx, member, count, k, RADIX, PIVOTS, LOWEST)
     scatter(out_row + pos, idx, taken, N)
     if SCORES:
         scatter(score_row + pos, key_value(keys), taken, N)
-    if SLOTS:
-        slot = slot_of(tl.where(taken, idx, -1), table_row, req_ok, width, num_blocks, BS)
-        scatter(slot_row + pos, slot, taken, N)
 
 
 @triton.jit
