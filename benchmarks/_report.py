@@ -35,30 +35,31 @@ def graph_us(fn: Callable[[], object], *, replays: int = 10) -> float:
     return device_us(graph.replay) / replays
 
 
-def kernel_span_us(fn: Callable[[], object], *, reps: int = 20, flush: bool = True) -> float:
+def kernel_span_us(fn: Callable[[], object], *, reps: int = 20, flush: str | None = "write"
+                   ) -> float:
     """Median device time in µs from the start of ``fn``'s first kernel to the end of its
-    last (torch.profiler), with the L2 flushed before each call when ``flush``: what its
-    kernels cost inside a longer graph (a model's step), without the launch latency of a
-    graph of their own."""
+    last (torch.profiler): what its kernels cost inside a longer graph (a model's step),
+    without the launch latency of a graph of their own. Before each call 256 MB are
+    written over (``flush="write"``: the L2 then holds dirty lines, which the call's reads
+    evict by writing them back, as ``triton.testing.do_bench`` leaves it) or read over
+    (``"read"``: clean lines, as a model's other layers leave it, streaming their weights),
+    or nothing (None: L2 warm)."""
     scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush else None
     fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            if scratch is not None:
-                scratch.zero_()
-            torch.cuda.synchronize()
+    spans = []
+    for _ in range(reps):
+        if flush == "write":
+            scratch.zero_()
+        elif flush == "read":
+            scratch.sum()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-    events = sorted((e.time_range for e in prof.events() if e.device_type.name == "CUDA"),
-                    key=lambda r: r.start)
-    per_call = len(events) // reps
-    if per_call * reps != len(events) or per_call < 1 + bool(flush):
-        raise RuntimeError(f"kernel_span_us: {len(events)} device events in {reps} calls")
-    spans = []
-    for i in range(reps):
-        call = events[i * per_call + bool(flush):(i + 1) * per_call]
-        spans.append(max(r.end for r in call) - call[0].start)
+        ranges = [e.time_range for e in prof.events() if e.device_type.name == "CUDA"]
+        if not ranges:
+            raise RuntimeError("kernel_span_us: no device events in a call")
+        spans.append(max(r.end for r in ranges) - min(r.start for r in ranges))
     return statistics.median(spans)
 
 

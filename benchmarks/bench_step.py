@@ -17,9 +17,10 @@ Host time: µs per call of 20 calls back to back without a sync (what the host s
 step while the GPU works); device time: CUDA events (``triton.testing.do_bench``: one
 call, the L2 flushed before it, the graph's own launch latency included). A path is
 host-bound when its host time exceeds its device time. For the in-place path, also the
-span of the graph's kernels (first start to last end, torch.profiler) with the L2 flushed
-before each replay and warm: a layer's cost inside a model's graph, which pays one launch
-for all its layers.
+span of the graph's kernels (first start to last end, torch.profiler) after 256 MB written
+over (dirty L2 lines, which the step's reads write back, as in the device column), after
+256 MB read over (clean lines, as a model's other layers leave them) and warm: a layer's
+cost inside a model's graph, which pays one launch for all its layers.
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def bench_shape(batch: int, length: int) -> list[list[object]]:
         result = (f"{100 * _overlap(got, want):.2f}% overlap" if fn is eager_step
                   else "equal" if rows_equal else "DIFFERENT")
         host, dev = host_us_per_call(fn), device_us(fn)
-        kernels = (f"{kernel_span_us(fn):.1f} / {kernel_span_us(fn, flush=False):.1f}"
+        kernels = (" / ".join(f"{kernel_span_us(fn, flush=flush):.1f}"
+                              for flush in ("write", "read", None))
                    if path == IN_PLACE else "")
         rows.append([batch, length, path, f"{host:.1f}", f"{dev:.1f}", kernels,
                      f"{host / dev:.2f}", result])
@@ -144,7 +146,7 @@ def main() -> None:
     out = bench_parser().parse_args().out
     torch.manual_seed(0)
     header = ["B", "L", "path", "host µs/step", "device µs/step",
-              "kernels µs/step (L2 flushed / warm)", "host / device",
+              "kernels µs/step (L2 written over / read over / warm)", "host / device",
               "top-k slots vs in place (live rows)"]
     rows = []
     for shape in SHAPES:
