@@ -38,14 +38,18 @@ class MqaLogitsConfig:
 
 def mqa_logits_config(num_q: int, num_heads: int, max_seqlen_k: int,
                       device: torch.device) -> MqaLogitsConfig:
-    """Default launch parameters: up to 128 (query, head) rows per dot (at most 4 queries),
-    about 8 programs per SM."""
-    block_q = max(1, min(4, 128 // triton.next_power_of_2(num_heads)))
-    tile = 128
+    """Default launch parameters: up to 256 (query, head) columns per dot (at most 4
+    queries) against 64 keys, 4 warps, at most 2048 columns a program and about 8 programs
+    per SM. H200, H 64, causal prefill chunks (BENCHMARKS.md, ninth session): 4 queries,
+    64 keys, 4 warps 783-849 TFLOP/s against 2 queries, 128 keys, 8 warps 559-650."""
+    block_q = max(1, min(4, 256 // triton.next_power_of_2(num_heads)))
+    tile = 64
     q_tiles = triton.cdiv(num_q, block_q)
     splits = max(1, triton.cdiv(8 * deepgemm.num_sms(device), max(q_tiles, 1)))
-    tiles_per_program = max(1, min(16, triton.cdiv(triton.cdiv(max_seqlen_k, tile), splits)))
-    return MqaLogitsConfig(block_q=block_q, tile=tile, tiles_per_program=tiles_per_program)
+    tiles_per_program = max(1, min(2048 // tile,
+                                   triton.cdiv(triton.cdiv(max_seqlen_k, tile), splits)))
+    return MqaLogitsConfig(block_q=block_q, tile=tile, tiles_per_program=tiles_per_program,
+                           num_warps=4)
 
 
 def _check_mqa(op: str, q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor,
@@ -145,17 +149,16 @@ def _mqa_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, w_stride0, w_stride1, k
                 else:
                     k = tl.load(k_ptr + key[:, None] * D + d[None, :], mask=(d < D)[None, :],
                                 other=0.0)
-                s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0)
+                # [TILE, BM * HP] scores, keys on the MMA's M side: query i's heads are the
+                # HP consecutive columns i * HP + h, summed in one reduction for all queries.
+                s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
                 k_scale = tl.load(k_scale_ptr + key)
-                for i in tl.static_range(BM):
-                    # Query i's heads are the columns [i * HP, i * HP + H) of s.
-                    w_i = tl.where(r // HP == i, w, 0.0)
-                    logits = tl.sum(s * w_i[None, :], axis=1) * k_scale
-                    len_i = tl.sum(tl.where(qi == i, lens, 0), axis=0)
-                    # Store bound: the output width for this pass's queries, 0 for others.
-                    end_i = tl.sum(tl.where((qi == i) & member, max_seqlen_k, 0), axis=0)
-                    tl.store(out_ptr + (m0 + i).to(tl.int64) * out_stride + j,
-                             tl.where(ok & (j < len_i), logits, float("-inf")), mask=j < end_i)
+                logits = tl.sum(tl.reshape(s, (TILE, BM, HP)), axis=2) * k_scale[:, None]
+                # Only this pass's queries' rows are stored.
+                tl.store(out_rows[None, :] + j[:, None],
+                         tl.where(ok[:, None] & (j[:, None] < lens[None, :]), logits,
+                                  float("-inf")),
+                         mask=member[None, :] & (j < max_seqlen_k)[:, None])
             for t in range(t_mid, t_end):
                 j = t * TILE + cols
                 tl.store(out_rows[None, :] + j[:, None],
