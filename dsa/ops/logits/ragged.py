@@ -39,14 +39,15 @@ class MqaLogitsConfig:
 def mqa_logits_config(num_q: int, num_heads: int, max_seqlen_k: int,
                       device: torch.device) -> MqaLogitsConfig:
     """Default launch parameters: up to 256 (query, head) columns per dot (at most 4
-    queries) against 64 keys, 4 warps, at most 2048 columns a program and about 8 programs
-    per SM. H200, H 64, causal prefill chunks (BENCHMARKS.md, ninth session): 4 queries,
-    64 keys, 4 warps 783-849 TFLOP/s against 2 queries, 128 keys, 8 warps 559-650."""
+    queries) against 64 keys, 4 warps, at most 4096 columns a program and about 8 programs
+    per SM. H200, H 64, causal prefill chunks (BENCHMARKS.md, ninth and tenth sessions): 4
+    queries, 64 keys, 4 warps 783-849 TFLOP/s against 2 queries, 128 keys, 8 warps 559-650;
+    4096 columns a program 815-865 against 786-850 for 2048."""
     block_q = max(1, min(4, 256 // triton.next_power_of_2(num_heads)))
     tile = 64
     q_tiles = triton.cdiv(num_q, block_q)
     splits = max(1, triton.cdiv(8 * deepgemm.num_sms(device), max(q_tiles, 1)))
-    tiles_per_program = max(1, min(2048 // tile,
+    tiles_per_program = max(1, min(4096 // tile,
                                    triton.cdiv(triton.cdiv(max_seqlen_k, tile), splits)))
     return MqaLogitsConfig(block_q=block_q, tile=tile, tiles_per_program=tiles_per_program,
                            num_warps=4)
