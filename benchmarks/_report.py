@@ -134,6 +134,23 @@ def bench_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_shapes_option(parser: argparse.ArgumentParser, shapes: list[tuple[int, int]],
+                      what: str = "ROWSxL") -> None:
+    """``--shapes A1xB1,A2xB2``: the (int, int) pairs a benchmark runs instead of ``shapes``."""
+    parser.add_argument("--shapes", type=parse_shapes, default=None,
+                        help=f"{what},... instead of " + ",".join(f"{a}x{b}" for a, b in shapes))
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"1x4096,64x65536"`` -> ``[(1, 4096), (64, 65536)]``."""
+    return [(int(a), int(b)) for a, b in (item.split("x") for item in text.split(","))]
+
+
+def shapes_flag(shapes: list[tuple[int, int]] | None) -> str:
+    """The ``--shapes`` flag as given (for a report's command), or ""."""
+    return " --shapes " + ",".join(f"{a}x{b}" for a, b in shapes) if shapes else ""
+
+
 def publish(text: str, out: str | None) -> None:
     """Prints a report and, with ``out``, appends it as a section of that file."""
     print(text)

@@ -33,7 +33,7 @@ from dsa.distributed import NCCL_NO_MULTICAST, all_gather
 from dsa.ops.dcp import global_positions
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import bench_parser, markdown_table, publish, report
+from _report import add_shapes_option, bench_parser, markdown_table, publish, report, shapes_flag
 from bench_leaves import random_cache
 
 SHAPES = [(b, n) for n in (131072, 262144) for b in (1, 8, 64)]
@@ -208,26 +208,18 @@ def worker(rank: int, store_path: str, shapes: list[tuple[int, int]], out: str |
     dist.destroy_process_group()
 
 
-def parse_shapes(text: str | None) -> list[tuple[int, int]]:
-    if not text:
-        return SHAPES
-    return [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
-
-
 def main() -> None:
     parser = bench_parser()
-    parser.add_argument("--shapes", help="BxL,BxL,... (default: B 1, 8, 64 at 128K and 256K)")
+    add_shapes_option(parser, SHAPES, what="BxL")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the run")
     args = parser.parse_args()
     if torch.cuda.device_count() < WORLD:
         sys.exit(f"bench_dcp: needs {WORLD} GPUs, found {torch.cuda.device_count()}")
     os.environ.update(NCCL_NO_MULTICAST)
-    command = "python benchmarks/bench_dcp.py" + (f" --shapes {args.shapes}" if args.shapes
-                                                  else "")
+    command = "python benchmarks/bench_dcp.py" + shapes_flag(args.shapes)
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.start_processes(
-            worker, args=(os.path.join(tmp, "store"), parse_shapes(args.shapes), args.out,
-                          command),
+            worker, args=(os.path.join(tmp, "store"), args.shapes or SHAPES, args.out, command),
             nprocs=WORLD, join=False, start_method="spawn")
         deadline = time.monotonic() + args.timeout
         while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):

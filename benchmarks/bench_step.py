@@ -1,7 +1,7 @@
 """One indexer layer's decode step: the three replay paths of the CUDA graph vs eager with
 host-built metadata.
 
-    python benchmarks/bench_step.py [--out BENCHMARKS.md]
+    python benchmarks/bench_step.py [--shapes 1x4096,...] [--out BENCHMARKS.md]
 
 Paths, measured in the same run on the same batch (a full bucket):
 
@@ -35,6 +35,7 @@ from dsa.graphs import DecodeGraphRunner
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _report import (
     add_row,
+    add_shapes_option,
     bench_parser,
     device_us,
     host_us_per_call,
@@ -42,6 +43,7 @@ from _report import (
     markdown_table,
     publish,
     report,
+    shapes_flag,
 )
 from bench_leaves import random_cache
 from host_metadata import host_built_decode_metadata
@@ -143,13 +145,15 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    out = bench_parser().parse_args().out
+    parser = bench_parser()
+    add_shapes_option(parser, SHAPES, what="BxL")
+    args = parser.parse_args()
     torch.manual_seed(0)
     header = ["B", "L", "path", "host µs/step", "device µs/step",
               "kernels µs/step (L2 written over / read over / warm)", "host / device",
               "top-k slots vs in place (live rows)"]
     rows = []
-    for shape in SHAPES:
+    for shape in args.shapes or SHAPES:
         for row in bench_shape(*shape):
             add_row(rows, row)
         torch.cuda.empty_cache()
@@ -161,8 +165,9 @@ def main() -> None:
                "bucket (no padding requests) except the row with B - 1 live requests; host µs "
                "per step of 20 steps back to back, no sync; eager top-k overlap: slots both "
                "runs select (their bf16 projections round differently: inductor fuses them)"),
+        command="python benchmarks/bench_step.py" + shapes_flag(args.shapes),
     )
-    publish(text, out)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

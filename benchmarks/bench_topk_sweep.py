@@ -36,7 +36,7 @@ import triton
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _report import markdown_table, publish, report  # noqa: E402
+from _report import add_shapes_option, markdown_table, publish, report, shapes_flag  # noqa: E402
 from test_topk import check_topk  # noqa: E402
 
 from dsa.ops.topk.indices import TUNING, SlotArgs, choose_parts, launch_topk  # noqa: E402
@@ -200,13 +200,12 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,...",
                         help="an extra variant, e.g. 'w4:num_warps=4,block=2048' or "
                         "'r:search=radix'")
-    parser.add_argument("--shapes", help="ROWSxL,... instead of "
-                        + ",".join(f"{rows}x{n}" for rows, n in SHAPES))
+    add_shapes_option(parser, SHAPES)
     parser.add_argument("--out", help="append the report to this markdown file "
                         "(e.g. BENCHMARKS.md)")
     args = parser.parse_args()
     if args.shapes:
-        SHAPES[:] = [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]
+        SHAPES[:] = args.shapes
     names = list(QUICK if args.quick else OVERFLOW if args.overflow else VARIANTS)
     for spec in args.variant:
         name, _, pairs = spec.partition(":")
@@ -242,7 +241,7 @@ def main() -> None:
         variants)
     command = "python benchmarks/bench_topk_sweep.py" + (" --quick" if args.quick else "") \
         + (" --overflow" if args.overflow else "") \
-        + (f" --shapes {args.shapes}" if args.shapes else "") \
+        + shapes_flag(args.shapes) \
         + "".join(f" --variant {spec}" for spec in args.variant)
     publish(report("Top-k: topk_indices, topk_indices_and_slots, masked torch.topk",
                    markdown_table(header, table) + "\n\nVariants (fused op, fp32, all "
