@@ -44,6 +44,8 @@ def kernel_span_us(fn: Callable[[], object], *, reps: int = 20, flush: str | Non
     evict by writing them back, as ``triton.testing.do_bench`` leaves it) or read over
     (``"read"``: clean lines, as a model's other layers leave it, streaming their weights),
     or nothing (None: L2 warm)."""
+    if flush not in ("write", "read", None):
+        raise ValueError(f"kernel_span_us: `flush` must be 'write', 'read' or None, got {flush!r}")
     scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush else None
     fn()
     spans = []
