@@ -343,6 +343,10 @@ MAX_SELECT_CAP = 1 << 15
 SEARCHES = {"trisect": (0, 2), "quintisect": (0, 4), "radix": (8, 2), "radix4": (4, 2)}
 
 
+# Tuning.candidates_regs / select_regs for None with at least Tuning.scale_rows rows
+CANDIDATES_REGS, SELECT_REGS = 96, 128
+
+
 def _regs(maxnreg: int | None, full: int, rows: int, scale_rows: int) -> dict[str, int]:
     """Triton's launch option capping a kernel's registers per thread: ``maxnreg``, or for
     None ``full`` with at least ``scale_rows`` rows and no cap below; 0: no cap."""
@@ -498,7 +502,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
             PARTS=parts, G=sample_groups, W=sample_width, CAP=select_cap, BLOCK=block,
             C=min(block, 128 * tune.num_warps), EARLY_LOAD=bool(tune.early_load),
             num_warps=tune.num_warps, **flags,
-            **_regs(tune.candidates_regs, 96, rows, tune.scale_rows),
+            **_regs(tune.candidates_regs, CANDIDATES_REGS, rows, tune.scale_rows),
         )
     if slots is None:  # placeholders, never read
         slot_args = (out, lengths, 0, lengths, 0, 0, 0)
@@ -515,7 +519,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
         STREAM_RADIX=stream_radix, STREAM_PIVOTS=stream_pivots,
         PRELOAD=n_cols <= select_cap and starts is None and rows <= tune.preload_rows,
         num_warps=select_warps, **flags, **slot_flags,
-        **_regs(tune.select_regs, 128, rows, tune.scale_rows),
+        **_regs(tune.select_regs, SELECT_REGS, rows, tune.scale_rows),
     )
     return out
 
