@@ -156,6 +156,15 @@ def _topk_slots_cpu(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor
 
 
 @triton.jit
+def unaligned_offset(row, stride):
+    """``row * stride`` (int64) through fp64, where the compiler cannot follow its
+    divisibility: not knowing a row's alignment, it keeps the row's tiles one column a thread
+    and a scattered store of a tile (candidates, selected indices) needs no conversion to a
+    layout of its own through shared memory (exact below 2**53)."""
+    return (row.to(tl.float64) * stride).to(tl.int64)
+
+
+@triton.jit
 def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constexpr,
                       RADIX: tl.constexpr, PIVOTS: tl.constexpr):
     """Key T with about ``k + margin * sqrt(k)`` (scaled to the sample) of the row's keys
@@ -191,7 +200,7 @@ def _candidates_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr
     part = tl.program_id(1)
     lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
     if hi - lo > CAP:
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        row_ptr = logits_ptr + unaligned_offset(row, stride_row)
         a, b, base = part_span(lo, hi, part, PARTS, BLOCK)
         offs = tile(BLOCK // C, C)
         if EARLY_LOAD:
@@ -234,7 +243,7 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
     are then read back and written as cache slots (``indices_to_slots`` of the row).
     STREAM_RADIX, STREAM_PIVOTS: the streamed searches' RADIX and PIVOTS."""
     row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    row_ptr = logits_ptr + unaligned_offset(row, stride_row)
     j = tile(CAP // C, C)
     if PRELOAD:  # n_cols <= CAP and no starts: the row's load need not wait for its length
         whole = tl.load(row_ptr + j, mask=j < n_cols, other=0.0)
