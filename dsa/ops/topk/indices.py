@@ -63,6 +63,7 @@ from dsa.ops.topk.select import (
     streamed_kth,
     tie_position,
     tile,
+    unaligned_offset,
     write_all,
     write_streamed,
 )
@@ -153,15 +154,6 @@ def _topk_slots_cpu(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor
                     starts)
     out = _topk_cpu(logits, lengths, k, starts)
     return out, _indices_to_slots_cpu(out, block_table, row_requests, block_size, num_blocks)
-
-
-@triton.jit
-def unaligned_offset(row, stride):
-    """``row * stride`` (int64) through fp64, where the compiler cannot follow its
-    divisibility: not knowing a row's alignment, it keeps the row's tiles one column a thread
-    and a scattered store of a tile (candidates, selected indices) needs no conversion to a
-    layout of its own through shared memory (exact below 2**53)."""
-    return (row.to(tl.float64) * stride).to(tl.int64)
 
 
 @triton.jit

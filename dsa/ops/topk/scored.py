@@ -55,6 +55,7 @@ from dsa.ops.topk.select import (
     select_positions,
     slots,
     tile,
+    unaligned_offset,
 )
 
 MAX_POSITION = 2**31 - 1
@@ -214,8 +215,10 @@ def _candidates(score_ptr, idx_ptr, token, s_rank, s_token, i_rank, i_token, k, 
     rank = (e // k).to(tl.int64)
     col = e % k
     member = e < n
-    pos = tl.load(idx_ptr + rank * i_rank + token * i_token + col, mask=member, other=-1)
-    score = tl.load(score_ptr + rank * s_rank + token * s_token + col, mask=member, other=0.0)
+    pos = tl.load(idx_ptr + rank * i_rank + unaligned_offset(token, i_token) + col,
+                  mask=member, other=-1)
+    score = tl.load(score_ptr + rank * s_rank + unaligned_offset(token, s_token) + col,
+                    mask=member, other=0.0)
     real = member & (pos >= 0)
     return pos, tl.where(real, order_key(score), INT_MIN), real
 
