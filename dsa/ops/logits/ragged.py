@@ -143,17 +143,14 @@ def _mqa_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, w_stride0, w_stride1, k
                 j = t * TILE + cols
                 key = ks_g + j
                 ok = (j < longest) & (key >= 0) & (key < num_keys)
-                # Invalid columns read key 0 (always present) and are masked to -inf below.
-                key = tl.where(ok, key, 0).to(tl.int64)
-                if BLOCK_D == D:
-                    k = tl.load(k_ptr + key[:, None] * D + d[None, :])
-                else:
-                    k = tl.load(k_ptr + key[:, None] * D + d[None, :], mask=(d < D)[None, :],
-                                other=0.0)
+                # Invalid columns load nothing (0) and are masked to -inf below; the keys of
+                # a tile are consecutive, so its loads are contiguous.
+                k = tl.load(k_ptr + key.to(tl.int64)[:, None] * D + d[None, :],
+                            mask=ok[:, None] & (d < D)[None, :], other=0.0)
                 # [TILE, BM * HP] scores, keys on the MMA's M side: query i's heads are the
                 # HP consecutive columns i * HP + h, summed in one reduction for all queries.
                 s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
-                k_scale = tl.load(k_scale_ptr + key)
+                k_scale = tl.load(k_scale_ptr + key, mask=ok, other=0.0)
                 logits = tl.sum(tl.reshape(s, (TILE, BM, HP)), axis=2) * k_scale[:, None]
                 # Only this pass's queries' rows are stored.
                 tl.store(out_rows[None, :] + j[:, None],
