@@ -423,7 +423,8 @@ def test_mqa_logits_match_reference(face, case_args, width):
 @pytest.mark.parametrize(
     "config",
     [MqaLogitsConfig(block_q=1, tile=16, tiles_per_program=3, num_warps=2),
-     MqaLogitsConfig(block_q=4, tile=64, tiles_per_program=1)],
+     MqaLogitsConfig(block_q=4, tile=64, tiles_per_program=1),
+     MqaLogitsConfig(block_q=4, tile=16, tiles_per_program=2, num_warps=4)],
 )
 def test_mqa_logits_triton_configs(config):
     # rows past either end of the workspace too (the kernel masks their keys)
