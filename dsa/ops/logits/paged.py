@@ -176,13 +176,11 @@ def _query_row(q_ptr, w_ptr, w_stride0, w_stride1, ctx, row0, h, d, J: tl.conste
 
 
 @triton.jit
-def _store_row(k, k_scale, q, w, ctx, ok, pos, row_ptr, max_context_len):
+def _row_logits(k, k_scale, q, w):
     """One query row's logits over the K tile: ``[TILE, HP]`` scores, keys on the MMA's M
     side, summed over heads within a thread and its quad."""
     s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
-    logits = tl.sum(s, axis=1) * k_scale
-    tl.store(row_ptr + pos, tl.where(ok & (pos < ctx), logits, float("-inf")),
-             mask=pos < max_context_len)
+    return tl.sum(s, axis=1) * k_scale
 
 
 # Runtime ints that vary with the batch stay unspecialised: one compile per config and shape
@@ -253,27 +251,27 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
             k = tl.load(value_ptr + src[:, None] + d[None, :], mask=(d < D)[None, :], other=0.0)
         k_scale = tl.load(scale_ptr + blk * SCALE_STRIDE + off)
         if SPLIT_ROWS:
-            row = out_ptr + (b * N).to(tl.int64) * out_stride
-            _store_row(k, k_scale, q0, w0, ctx0, ok, pos, row, max_context_len)
-            if N > 1:
-                _store_row(k, k_scale, q1, w1, ctx1, ok, pos, row + out_stride,
-                           max_context_len)
-            if N > 2:
-                _store_row(k, k_scale, q2, w2, ctx2, ok, pos, row + 2 * out_stride,
-                           max_context_len)
-            if N > 3:
-                _store_row(k, k_scale, q3, w3, ctx3, ok, pos, row + 3 * out_stride,
-                           max_context_len)
+            # The rows' logits joined into one [TILE, NP] tile (rows past N -inf, not
+            # stored): one layout conversion for the store instead of one per row.
+            l0 = _row_logits(k, k_scale, q0, w0)
+            l1 = _row_logits(k, k_scale, q1, w1) if N > 1 else l0
+            if NP == 2:
+                logits = tl.join(l0, l1)
+            elif NP == 4:
+                l2 = _row_logits(k, k_scale, q2, w2)
+                l3 = _row_logits(k, k_scale, q3, w3) if N > 3 else l2
+                logits = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), (TILE, NP))
+            else:
+                logits = l0[:, None]
         else:
             # [TILE, NP * HP] scores, keys on the MMA's M side: each key's head sums stay
             # within a thread and its quad. Row j's heads are the HP consecutive columns
             # j * HP + h.
             s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
             logits = tl.sum(tl.reshape(s, (TILE, NP, HP)), axis=2) * k_scale[:, None]
-            tl.store(out_rows[None, :] + pos[:, None],
-                     tl.where(ok[:, None] & (pos[:, None] < ctx[None, :]), logits,
-                              float("-inf")),
-                     mask=store_rows & (pos < max_context_len)[:, None])
+        tl.store(out_rows[None, :] + pos[:, None],
+                 tl.where(ok[:, None] & (pos[:, None] < ctx[None, :]), logits, float("-inf")),
+                 mask=store_rows & (pos < max_context_len)[:, None])
     for t in range(t_mid, t_end):
         pos = t * TILE + cols
         tl.store(out_rows[None, :] + pos[:, None],
