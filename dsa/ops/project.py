@@ -332,14 +332,13 @@ def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_
                      wp_s0, wp_s1, wq_ptr, wq_s0, wq_s1, hpart_ptr, qpart_ptr, tokens, width,
                      q_width, D: tl.constexpr, H: tl.constexpr, TP: tl.constexpr,
                      COLS: tl.constexpr, Q_COLS: tl.constexpr, STEP: tl.constexpr,
-                     H_STEPS: tl.constexpr, Q_STEPS: tl.constexpr, H_SLICES: tl.constexpr,
-                     DOT: tl.constexpr):
-    """Program (i, j), tokens ``j * TP ..``: the first ``H_SLICES * H_BLOCKS`` programs i
+                     H_STEPS: tl.constexpr, Q_STEPS: tl.constexpr,
+                     H_PROGRAMS: tl.constexpr, DOT: tl.constexpr):
+    """Program (i, j), tokens ``j * TP ..``: the first H_PROGRAMS programs i
     :func:`_hidden_partials` (over the hidden dim), the others :func:`_q_partials` (over the
     q_lora dim)."""
     pid = tl.program_id(0)
     t0 = tl.program_id(1) * TP
-    H_PROGRAMS: tl.constexpr = H_SLICES * ((D + COLS - 1) // COLS + (H + COLS - 1) // COLS)
     if pid < H_PROGRAMS:
         _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wp_ptr, wp_s0,
                          wp_s1, hpart_ptr, tokens, width, D, H, TP, COLS, STEP, H_STEPS, DOT)
@@ -471,7 +470,7 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            weights_proj, *weights_proj.stride(), wq_b, *wq_b.stride(), hpart, qpart,
            n.tokens, n.width, n.q_width, D=n.head_dim, H=n.heads, TP=plan.tokens, COLS=COLS,
            Q_COLS=plan.q_cols, STEP=plan.step, H_STEPS=plan.hidden_steps, Q_STEPS=plan.q_steps,
-           H_SLICES=h_slices, DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0,
+           H_PROGRAMS=h_slices * h_blocks, DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0,
            num_warps=plan.warps)
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape

@@ -164,15 +164,15 @@ def _tile_blocks(bt_row, t, longest, width, num_blocks, cols, BS: tl.constexpr,
 
 
 @triton.jit
-def _query_row(q_ptr, w_ptr, w_stride0, w_stride1, ctx, row0, h, d, J: tl.constexpr,
+def _query_row(q_ptr, w_ptr, w_stride0, w_stride1, row0, h, d, J: tl.constexpr,
                H: tl.constexpr, D: tl.constexpr):
-    """Query row ``row0 + J``: its ``[HP, BLOCK_D]`` q operand (padding zero), head weights
-    and context length (``ctx`` holds the request's clamped lengths)."""
+    """Query row ``row0 + J``: its ``[HP, BLOCK_D]`` q operand (padding zero) and head
+    weights."""
     qrow = (row0 + J).to(tl.int64)
     q = tl.load(q_ptr + (qrow * H + h)[:, None] * D + d[None, :],
                 mask=(h < H)[:, None] & (d < D)[None, :], other=0.0)
     w = tl.load(w_ptr + qrow * w_stride0 + h * w_stride1, mask=h < H, other=0.0)
-    return q, w, tl.sum(tl.where(tl.arange(0, ctx.shape[0]) == J, ctx, 0), axis=0)
+    return q, w
 
 
 @triton.jit
@@ -214,17 +214,13 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
     d = tl.arange(0, BLOCK_D)
     if SPLIT_ROWS:
         h = tl.arange(0, HP)
-        q0, w0, ctx0 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, ctx, b * N, h, d, 0,
-                                  H, D)
+        q0, w0 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, b * N, h, d, 0, H, D)
         if N > 1:
-            q1, w1, ctx1 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, ctx, b * N, h, d,
-                                      1, H, D)
+            q1, w1 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, b * N, h, d, 1, H, D)
         if N > 2:
-            q2, w2, ctx2 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, ctx, b * N, h, d,
-                                      2, H, D)
+            q2, w2 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, b * N, h, d, 2, H, D)
         if N > 3:
-            q3, w3, ctx3 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, ctx, b * N, h, d,
-                                      3, H, D)
+            q3, w3 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, b * N, h, d, 3, H, D)
     else:
         r = tl.arange(0, NP * HP)
         row_ok = (r // HP < N) & (r % HP < H)
