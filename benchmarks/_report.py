@@ -129,9 +129,9 @@ def report(title: str, table: str, notes: str = "", *, command: str | None = Non
     return header + (f"- {notes}\n" if notes else "") + "\n" + table + "\n"
 
 
-def bench_parser() -> argparse.ArgumentParser:
+def bench_parser(description: str | None = None) -> argparse.ArgumentParser:
     """A benchmark script's arguments: ``--out``, a markdown file to append its report to."""
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", help="append the report to this markdown file")
     return parser
 

@@ -1,6 +1,6 @@
 """A model's decode step at DeepSeek V3.2 sizes: 61 indexer layers in one CUDA graph.
 
-    python benchmarks/bench_model.py [--shapes 1x4096 64x65536] [--freqs 1 4] [--out BENCHMARKS.md]
+    python benchmarks/bench_model.py [--shapes 1x4096,64x65536] [--freqs 1 4] [--out BENCHMARKS.md]
 
 The step of ``examples/model_decode.py``: the metadata built once, then every layer (its
 indexer, or for a shared layer the top-k of the nearest full layer before it, then the
@@ -22,11 +22,21 @@ import dsa
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-from _report import add_row, bench_parser, graph_us, markdown_table, publish, report
+from _report import (
+    add_row,
+    add_shapes_option,
+    bench_parser,
+    graph_us,
+    markdown_table,
+    publish,
+    report,
+    shapes_flag,
+)
 from bench_leaves import random_cache
 from model_decode import V32, Model
 
 LAYERS = 61  # DeepSeek V3.2
+SHAPES = [(1, 4096), (64, 65536)]
 
 
 def bench(batch: int, length: int, share: dsa.IndexShare) -> list[object]:
@@ -69,8 +79,7 @@ def bench(batch: int, length: int, share: dsa.IndexShare) -> list[object]:
 
 def main() -> None:
     parser = bench_parser()
-    parser.add_argument("--shapes", nargs="+", default=["1x4096", "64x65536"],
-                        help="BxL: requests x context length")
+    add_shapes_option(parser, SHAPES, what="BxL")
     parser.add_argument("--freqs", nargs="+", type=int, default=[1, 4],
                         help="index_topk_freq of the layer pattern (1: every layer indexes)")
     parser.add_argument("--layers", type=int, default=LAYERS)
@@ -79,8 +88,7 @@ def main() -> None:
     header = ["B", "L", "layers", "full layers", "step device µs", "µs per layer",
               "µs per full layer", "held GiB", "peak GiB"]
     rows = []
-    for shape in args.shapes:
-        batch, length = (int(x) for x in shape.split("x"))
+    for batch, length in args.shapes or SHAPES:
         for freq in args.freqs:
             add_row(rows, bench(batch, length, dsa.IndexShare.every(args.layers, freq)))
             torch._dynamo.reset()  # the last model's compiled code, then its caches
@@ -89,7 +97,8 @@ def main() -> None:
     text = report(
         f"A model's decode step: {args.layers} indexer layers in one CUDA graph",
         markdown_table(header, rows),
-        command="python benchmarks/bench_model.py " + " ".join(sys.argv[1:]),
+        command=f"python benchmarks/bench_model.py{shapes_flag(args.shapes)} --freqs "
+        + " ".join(map(str, args.freqs)) + f" --layers {args.layers}",
         notes=(f"DeepSeek V3.2 sizes (hidden {V32.hidden}, q_lora_rank {V32.q_lora_rank}, "
                f"H={V32.num_heads}, D={V32.head_dim}, top-k {V32.topk}), next_n 1, full "
                "contexts, bf16, logits backend auto; metadata built once per step; full "

@@ -23,7 +23,6 @@ fp32, all lengths) for tuning; the parameters in force are printed with the resu
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -36,7 +35,14 @@ import triton
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _report import add_shapes_option, markdown_table, publish, report, shapes_flag  # noqa: E402
+from _report import (  # noqa: E402
+    add_shapes_option,
+    bench_parser,
+    markdown_table,
+    publish,
+    report,
+    shapes_flag,
+)
 from test_topk import check_topk  # noqa: E402
 
 from dsa.ops.topk.indices import TUNING, SlotArgs, choose_parts, launch_topk  # noqa: E402
@@ -192,7 +198,7 @@ def parse_value(text: str) -> int | float | str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"only variants {QUICK}")
     parser.add_argument("--overflow", action="store_true",
                         help="only the variants timing the overflow paths: "
@@ -201,8 +207,6 @@ def main() -> None:
                         help="an extra variant, e.g. 'w4:num_warps=4,block=2048' or "
                         "'r:search=radix'")
     add_shapes_option(parser, SHAPES)
-    parser.add_argument("--out", help="append the report to this markdown file "
-                        "(e.g. BENCHMARKS.md)")
     args = parser.parse_args()
     if args.shapes:
         SHAPES[:] = args.shapes
