@@ -20,7 +20,9 @@ host-bound when its host time exceeds its device time. For the in-place path, al
 span of the graph's kernels (first start to last end, torch.profiler) after 256 MB written
 over (dirty L2 lines, which the step's reads write back, as in the device column), after
 256 MB read over (clean lines, as a model's other layers leave them) and warm: a layer's
-cost inside a model's graph, which pays one launch for all its layers.
+cost inside a model's graph, which pays one launch for all its layers. Floor: the bytes the
+step must read (its requests' K-cache entries and the layer's weights) at the copy bandwidth
+measured in the run, against the in-place device time.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from _report import (
     add_row,
     add_shapes_option,
     bench_parser,
+    copy_bandwidth,
     device_us,
     host_us_per_call,
     kernel_span_us,
@@ -74,8 +77,18 @@ def full_decode(batch: int, length: int,
     return cfg, layer, live
 
 
-def bench_shape(batch: int, length: int) -> list[list[object]]:
+def floor_us(layer: dsa.Indexer, batch: int, length: int, bandwidth: float) -> float:
+    """µs to move the bytes a step must read at ``bandwidth`` (the copy's bytes read +
+    written per second, as ``bench_logits_sweep.py``'s floors): every request's K-cache
+    entries (D values and a scale each) and the layer's weights."""
+    cache_entry = layer.kv_cache.shape[-1] * layer.kv_cache.element_size()
+    weights = sum(p.numel() * p.element_size() for p in layer.parameters())
+    return (batch * length * cache_entry + weights) / bandwidth * 1e6
+
+
+def bench_shape(batch: int, length: int, bandwidth: float) -> list[list[object]]:
     cfg, layer, live = full_decode(batch, length)
+    floor = floor_us(layer, batch, length, bandwidth)
     table = live.block_table
     qsl_cpu = live.query_start_loc.cpu()
     inputs = {"hidden": torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16),
@@ -133,7 +146,9 @@ def bench_shape(batch: int, length: int) -> list[list[object]]:
                               for flush in ("write", "read", None))
                    if path == IN_PLACE else "")
         rows.append([batch, length, path, f"{host:.1f}", f"{dev:.1f}", kernels,
-                     f"{host / dev:.2f}", result])
+                     f"{floor:.1f}" if path == IN_PLACE else "",
+                     f"{dev / floor:.2f}" if path == IN_PLACE else "", f"{host / dev:.2f}",
+                     result])
     return rows
 
 
@@ -150,11 +165,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     header = ["B", "L", "path", "host µs/step", "device µs/step",
-              "kernels µs/step (L2 written over / read over / warm)", "host / device",
-              "top-k slots vs in place (live rows)"]
+              "kernels µs/step (L2 written over / read over / warm)", "floor µs",
+              "device / floor", "host / device", "top-k slots vs in place (live rows)"]
+    bandwidth = copy_bandwidth()
     rows = []
     for shape in args.shapes or SHAPES:
-        for row in bench_shape(*shape):
+        for row in bench_shape(*shape, bandwidth):
             add_row(rows, row)
         torch.cuda.empty_cache()
     text = report(
@@ -164,7 +180,10 @@ def main() -> None:
                "next_n 1, full contexts, bf16, logits backend auto, `num_blocks` set; a full "
                "bucket (no padding requests) except the row with B - 1 live requests; host µs "
                "per step of 20 steps back to back, no sync; eager top-k overlap: slots both "
-               "runs select (their bf16 projections round differently: inductor fuses them)"),
+               "runs select (their bf16 projections round differently: inductor fuses them); "
+               "floor: the K-cache entries of every request and the layer's weights read once "
+               f"at the copy bandwidth measured in this run ({bandwidth / 1e12:.2f} TB/s, "
+               "read + write)"),
         command="python benchmarks/bench_step.py" + shapes_flag(args.shapes),
     )
     publish(text, args.out)
