@@ -1,4 +1,5 @@
-"""What the logits ops share: the output layout, fp8 decoding and the backend choice.
+"""What the logits ops share: the output layout, fp8 decoding, a K tile's logits in the
+kernels and the backend choice.
 
 For query row t and key s (``w`` already folds q's scale, see :mod:`dsa.ops.quant`)::
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from dsa.config import LOGITS_BACKENDS
@@ -25,6 +28,16 @@ def alloc_logits(rows: int, cols: int, device: torch.device) -> Tensor:
     """fp32 ``[rows, cols]`` view of a ``[rows, align(cols, 256)]`` buffer (DeepGEMM's layout)."""
     width = (cols + LOGITS_ALIGN - 1) // LOGITS_ALIGN * LOGITS_ALIGN
     return torch.empty(rows, width, dtype=torch.float32, device=device).narrow(1, 0, cols)
+
+
+@triton.jit
+def tile_logits(k, k_scale, q, w, TILE: tl.constexpr, ROWS: tl.constexpr, HP: tl.constexpr):
+    """``[TILE, ROWS]`` logits of a K tile against ROWS query rows: ``[TILE, ROWS * HP]``
+    scores, keys on the MMA's M side (each key's head sums stay within a thread and its
+    quad); row i's heads are the HP consecutive columns ``i * HP + h`` of ``q`` and ``w``,
+    summed in one reduction for all rows."""
+    s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
+    return tl.sum(tl.reshape(s, (TILE, ROWS, HP)), axis=2) * k_scale[:, None]
 
 
 def fp8_rows(value_bytes: Tensor) -> Tensor:

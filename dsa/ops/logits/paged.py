@@ -31,7 +31,7 @@ from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.kcache import check_kv_cache, kcache_views, padded_block_table
 from dsa.ops.logits import deepgemm
-from dsa.ops.logits.common import alloc_logits, choose_backend, fp8_rows
+from dsa.ops.logits.common import alloc_logits, choose_backend, fp8_rows, tile_logits
 
 
 @dataclass(frozen=True)
@@ -260,11 +260,7 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
             else:
                 logits = l0[:, None]
         else:
-            # [TILE, NP * HP] scores, keys on the MMA's M side: each key's head sums stay
-            # within a thread and its quad. Row j's heads are the HP consecutive columns
-            # j * HP + h.
-            s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
-            logits = tl.sum(tl.reshape(s, (TILE, NP, HP)), axis=2) * k_scale[:, None]
+            logits = tile_logits(k, k_scale, q, w, TILE, NP, HP)
         tl.store(out_rows[None, :] + pos[:, None],
                  tl.where(ok[:, None] & (pos[:, None] < ctx[None, :]), logits, float("-inf")),
                  mask=store_rows & (pos < max_context_len)[:, None])

@@ -21,7 +21,7 @@ from dsa.ops._checks import INDEX_DTYPES, check_int, check_size, check_tensor
 from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.logits import deepgemm
-from dsa.ops.logits.common import alloc_logits, choose_backend, fp8_rows
+from dsa.ops.logits.common import alloc_logits, choose_backend, fp8_rows, tile_logits
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def _mqa_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, w_stride0, w_stride1, k
                 else:
                     k = tl.load(k_ptr + key[:, None] * D + d[None, :], mask=(d < D)[None, :],
                                 other=0.0)
-                logits = _tile_logits(k, tl.load(k_scale_ptr + key), q, w, TILE, BM, HP)
+                logits = tile_logits(k, tl.load(k_scale_ptr + key), q, w, TILE, BM, HP)
                 tl.store(out_rows[None, :] + j[:, None], logits, mask=member[None, :])
             for t in range(t_whole, t_mid):
                 j = t * TILE + cols
@@ -164,7 +164,7 @@ def _mqa_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, w_stride0, w_stride1, k
                 k = tl.load(k_ptr + key.to(tl.int64)[:, None] * D + d[None, :],
                             mask=ok[:, None] & (d < D)[None, :], other=0.0)
                 k_scale = tl.load(k_scale_ptr + key, mask=ok, other=0.0)
-                logits = _tile_logits(k, k_scale, q, w, TILE, BM, HP)
+                logits = tile_logits(k, k_scale, q, w, TILE, BM, HP)
                 tl.store(out_rows[None, :] + j[:, None],
                          tl.where(ok[:, None] & (j[:, None] < lens[None, :]), logits,
                                   float("-inf")),
@@ -174,15 +174,6 @@ def _mqa_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, w_stride0, w_stride1, k
                 tl.store(out_rows[None, :] + j[:, None],
                          tl.full((TILE, BM), float("-inf"), tl.float32),
                          mask=member[None, :] & (j < max_seqlen_k)[:, None])
-
-
-@triton.jit
-def _tile_logits(k, k_scale, q, w, TILE: tl.constexpr, BM: tl.constexpr, HP: tl.constexpr):
-    """``[TILE, BM]`` logits of a K tile: ``[TILE, BM * HP]`` scores, keys on the MMA's M side;
-    query i's heads are the HP consecutive columns ``i * HP + h``, summed in one reduction
-    for all queries."""
-    s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
-    return tl.sum(tl.reshape(s, (TILE, BM, HP)), axis=2) * k_scale[:, None]
 
 
 def _mqa_logits_launch(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor,
