@@ -165,8 +165,9 @@ def narrow(lo, top, c_lo, c_hi, m1, m2, m3, m4, c1, c2, c3, c4, need, PIVOTS: tl
 
 @triton.jit
 def packed_counts(keys, a, b):
-    """``count(key >= a) | count(key >= b) << 16`` over a tile, per element (sum it)."""
-    return (keys >= a).to(tl.int32) + ((keys >= b).to(tl.int32) << 16)
+    """``count(key >= a) | count(key >= b) << 16`` over a tile, per element (sum it), for
+    ``a <= b`` (a key >= b is >= a too)."""
+    return tl.where(keys >= b, 65537, tl.where(keys >= a, 1, 0))
 
 
 @triton.jit
