@@ -177,12 +177,12 @@ def packed_counts(keys, a, b, SELECTS: tl.constexpr = True):
 
 
 @triton.jit
-def wide_counts(keys, m1, m2, m3, m4):
+def wide_counts(keys, m1, m2, m3, m4, SELECTS: tl.constexpr = True):
     """The four counts ``count(key >= m_i)`` (each <= 2**15) of a tile, 16 bits each in one
     int64, summed by one block reduction (a thread's elements of an ``[R, C]`` tile's
     column first, in int32)."""
-    p12 = packed_counts(keys, m1, m2)
-    p34 = packed_counts(keys, m3, m4)
+    p12 = packed_counts(keys, m1, m2, SELECTS)
+    p34 = packed_counts(keys, m3, m4, SELECTS)
     if len(keys.shape) == 2:
         p12 = tl.sum(p12, axis=0)
         p34 = tl.sum(p34, axis=0)
@@ -241,7 +241,8 @@ def radix_search(keys, member, count, need, need_hi, RADIX: tl.constexpr):
 
 
 @triton.jit
-def multisect_search(keys, member, count, need, need_hi, PIVOTS: tl.constexpr):
+def multisect_search(keys, member, count, need, need_hi, PIVOTS: tl.constexpr,
+                     SELECTS: tl.constexpr = True):
     """:func:`kth_search` by multisection of the key bracket ``[lo, top]`` (from one
     reduction of both ends): the PIVOTS (2 or 4) pivots of a step are counted by one block
     reduction (two counts packed per int32, or four per int64), so a step costs about what
@@ -255,12 +256,12 @@ def multisect_search(keys, member, count, need, need_hi, PIVOTS: tl.constexpr):
         m2 = pivot(lo, top, 2, PIVOTS)
         if PIVOTS == 2:
             m3, m4 = m2, m2
-            p12 = tl.sum(packed_counts(keys, m1, m2))
+            p12 = tl.sum(packed_counts(keys, m1, m2, SELECTS))
             p34 = p12
         else:
             m3 = pivot(lo, top, 3, PIVOTS)
             m4 = pivot(lo, top, 4, PIVOTS)
-            both = wide_counts(keys, m1, m2, m3, m4)
+            both = wide_counts(keys, m1, m2, m3, m4, SELECTS)
             p12 = both.to(tl.int32)
             p34 = (both >> 32).to(tl.int32)
         lo, top, c_lo, c_hi = narrow(lo, top, c_lo, c_hi, m1, m2, m3, m4, p12 & 0xFFFF,
@@ -271,7 +272,7 @@ def multisect_search(keys, member, count, need, need_hi, PIVOTS: tl.constexpr):
 
 @triton.jit
 def kth_search(keys, member, count, need, need_hi, RADIX: tl.constexpr,
-               PIVOTS: tl.constexpr):
+               PIVOTS: tl.constexpr, SELECTS: tl.constexpr = True):
     """A key ``t`` with ``need <= count(key >= t) <= need_hi``, or, when no key has such a
     count, with ``count(key >= t) >= need > count(key > t)``; returns (t, count(key >= t)).
     Requires ``1 <= need <= count = count(member) <= 2**15``; non-member keys must be
@@ -280,7 +281,7 @@ def kth_search(keys, member, count, need, need_hi, RADIX: tl.constexpr,
     if RADIX:
         t, c = radix_search(keys, member, count, need, need_hi, RADIX)
     else:
-        t, c = multisect_search(keys, member, count, need, need_hi, PIVOTS)
+        t, c = multisect_search(keys, member, count, need, need_hi, PIVOTS, SELECTS)
     return t, c
 
 
