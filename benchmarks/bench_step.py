@@ -11,7 +11,10 @@ Paths, measured in the same run on the same batch (a full bucket):
   all token inputs), then ``replay_in_place``; also with one live request fewer than the bucket;
 - replay: ``runner.replay(live, ...)``: the padding path plus clones of the live outputs;
 - eager: the same layer run eagerly on metadata built on the host each step
-  (``host_metadata.py``, the way engines do it today).
+  (``host_metadata.py``, the way engines do it today);
+- in place, fp8 weights: the same layer built with ``fp8_weights`` (``wq_b`` and ``wk`` as
+  DeepSeek ships them, fp8 with a scale per 128x128 block; the bf16 layer holds them
+  dequantised, so both select the same slots).
 
 Host time: µs per call of 20 calls back to back without a sync (what the host spends per
 step while the GPU works); device time: CUDA events (``triton.testing.do_bench``: one
@@ -33,6 +36,7 @@ import torch
 
 import dsa
 from dsa.graphs import DecodeGraphRunner
+from dsa.ops import block_fp8
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _report import (
@@ -54,6 +58,7 @@ from host_metadata import host_built_decode_metadata
 SHAPES = [(1, 4096), (64, 65536), (128, 32768)]
 HIDDEN, Q_LORA_RANK = 7168, 1536  # DeepSeek V3.2
 IN_PLACE = "in place (`replay_in_place`)"
+FP8_IN_PLACE = "in place, fp8 `wq_b` / `wk`"
 BATCH_FIELDS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions")
 
 
@@ -77,6 +82,44 @@ def full_decode(batch: int, length: int,
     return cfg, layer, live
 
 
+def fp8_twin(cfg: dsa.IndexerConfig, layer: dsa.Indexer) -> dsa.Indexer:
+    """``layer`` built with ``fp8_weights``: its ``wq_b`` and ``wk`` quantised to fp8 blocks
+    (power-of-two scales, as V3.2's checkpoints), ``layer`` given them dequantised."""
+    twin = dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, device="cuda",
+                       fp8_weights=True)
+    state = layer.state_dict()
+    for name in ("wq_b", "wk"):
+        codes, scale = block_fp8.quantize(state[f"{name}.weight"], ue8m0=True)
+        state[f"{name}.weight"], state[f"{name}.weight_scale_inv"] = codes, scale
+        getattr(layer, name).weight.data.copy_(block_fp8.dequantize(codes, scale, layer.dtype))
+    twin.load_state_dict(state)
+    twin.kv_cache.copy_(layer.kv_cache)
+    return twin
+
+
+def capture(cfg: dsa.IndexerConfig, layer: dsa.Indexer, live: dsa.Batch,
+            inputs: dict[str, torch.Tensor]) -> DecodeGraphRunner:
+    """The layer's decode step captured for ``live``'s batch size, its static buffers
+    holding ``live`` and ``inputs`` (the engine's own writes, once: the batch is fixed)."""
+    batch = live.num_reqs
+
+    def step(b: dsa.Batch, hidden: torch.Tensor, q_latent: torch.Tensor):
+        return layer(hidden, q_latent, b.positions, dsa.build_decode_metadata(cfg, b)).slots
+
+    runner = DecodeGraphRunner(
+        step, cfg, sizes=[batch], table_width=live.block_table.shape[1],
+        token_inputs={"hidden": ((HIDDEN,), torch.bfloat16),
+                      "q_latent": ((Q_LORA_RANK,), torch.bfloat16)},
+    )
+    runner.capture()
+    static = runner.static_batch(batch)
+    for name in BATCH_FIELDS:
+        getattr(static.batch, name).copy_(getattr(live, name))
+    for name, value in inputs.items():
+        static.inputs[name].copy_(value)
+    return runner
+
+
 def floor_us(layer: dsa.Indexer, batch: int, length: int, bandwidth: float) -> float:
     """µs to move the bytes a step must read at ``bandwidth`` (the copy's bytes read +
     written per second, as ``bench_logits_sweep.py``'s floors): every request's K-cache
@@ -88,26 +131,14 @@ def floor_us(layer: dsa.Indexer, batch: int, length: int, bandwidth: float) -> f
 
 def bench_shape(batch: int, length: int, bandwidth: float) -> list[list[object]]:
     cfg, layer, live = full_decode(batch, length)
-    floor = floor_us(layer, batch, length, bandwidth)
-    table = live.block_table
+    twin = fp8_twin(cfg, layer)
+    floors = {layer: floor_us(layer, batch, length, bandwidth),
+              twin: floor_us(twin, batch, length, bandwidth)}
     qsl_cpu = live.query_start_loc.cpu()
     inputs = {"hidden": torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16),
               "q_latent": torch.randn(batch, Q_LORA_RANK, device="cuda", dtype=torch.bfloat16)}
-
-    def step(b: dsa.Batch, hidden: torch.Tensor, q_latent: torch.Tensor):
-        return layer(hidden, q_latent, b.positions, dsa.build_decode_metadata(cfg, b)).slots
-
-    runner = DecodeGraphRunner(
-        step, cfg, sizes=[batch], table_width=table.shape[1],
-        token_inputs={"hidden": ((HIDDEN,), torch.bfloat16),
-                      "q_latent": ((Q_LORA_RANK,), torch.bfloat16)},
-    )
-    runner.capture()
-    static = runner.static_batch(batch)  # the engine's own writes, once: the batch is fixed
-    for name in BATCH_FIELDS:
-        getattr(static.batch, name).copy_(getattr(live, name))
-    for name, value in inputs.items():
-        static.inputs[name].copy_(value)
+    runner = capture(cfg, layer, live, inputs)
+    twin_runner = capture(cfg, twin, live, inputs)
 
     def padding_path():
         return runner.replay_in_place(runner.load(live, **inputs))
@@ -134,9 +165,12 @@ def bench_shape(batch: int, length: int, bandwidth: float) -> list[list[object]]
            else {}),
         "`replay` (load, replay, clone)": lambda: runner.replay(live, **inputs),
         "eager, host-built metadata": eager_step,
+        FP8_IN_PLACE: lambda: twin_runner.replay_in_place(batch),
     }
     rows = []
     for path, fn in paths.items():
+        in_place = path in (IN_PLACE, FP8_IN_PLACE)
+        floor = floors[twin if path == FP8_IN_PLACE else layer]
         got = fn().clone()
         rows_equal = torch.equal(got[:short], want[:short])
         result = (f"{100 * _overlap(got, want):.2f}% overlap" if fn is eager_step
@@ -144,11 +178,10 @@ def bench_shape(batch: int, length: int, bandwidth: float) -> list[list[object]]
         host, dev = host_us_per_call(fn), device_us(fn)
         kernels = (" / ".join(f"{kernel_span_us(fn, flush=flush):.1f}"
                               for flush in ("write", "read", None))
-                   if path == IN_PLACE else "")
+                   if in_place else "")
         rows.append([batch, length, path, f"{host:.1f}", f"{dev:.1f}", kernels,
-                     f"{floor:.1f}" if path == IN_PLACE else "",
-                     f"{dev / floor:.2f}" if path == IN_PLACE else "", f"{host / dev:.2f}",
-                     result])
+                     f"{floor:.1f}" if in_place else "", f"{dev / floor:.2f}" if in_place else "",
+                     f"{host / dev:.2f}", result])
     return rows
 
 
@@ -181,8 +214,9 @@ def main() -> None:
                "bucket (no padding requests) except the row with B - 1 live requests; host µs "
                "per step of 20 steps back to back, no sync; eager top-k overlap: slots both "
                "runs select (their bf16 projections round differently: inductor fuses them); "
-               "floor: the K-cache entries of every request and the layer's weights read once "
-               f"at the copy bandwidth measured in this run ({bandwidth / 1e12:.2f} TB/s, "
+               "floor: the K-cache entries of every request and the layer's weights (fp8 "
+               "`wq_b` / `wk` and their scales in the fp8 row) read once at the copy "
+               f"bandwidth measured in this run ({bandwidth / 1e12:.2f} TB/s, "
                "read + write)"),
         command="python benchmarks/bench_step.py" + shapes_flag(args.shapes),
     )

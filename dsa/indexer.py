@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from dsa._pytree import pytree_dataclass
 from dsa.config import IndexerConfig
 from dsa.meta.decode import DecodeMetadata
 from dsa.meta.prefill import PrefillMetadata
+from dsa.ops import block_fp8
 from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor
 from dsa.ops.dcp import owned_indices
 from dsa.ops.project import KERNEL_TOKENS, project_torch
@@ -22,7 +23,21 @@ from dsa.rope import YarnScaling, rope_scaling_from_hf, rope_table
 
 ops = torch.ops.dsa
 
-FP8_BLOCK = 128  # DeepSeek's fp8 checkpoints: one fp32 scale per 128x128 weight block
+
+class BlockFP8Linear(nn.Module):
+    """The weight of a bias-free linear layer as DeepSeek ships it: fp8 e4m3 ``weight``
+    ``[out_features, in_features]`` and its fp32 ``weight_scale_inv``, one per 128x128 block
+    (``dsa.ops.block_fp8``). Holds the weight for the indexer's ops; no forward."""
+
+    def __init__(self, in_features: int, out_features: int,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, device=device,
+                                               dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(
+            torch.ones(block_fp8.scale_shape(out_features, in_features), device=device),
+            requires_grad=False)
 
 
 @pytree_dataclass()
@@ -69,6 +84,9 @@ class Indexer(nn.Module):
     Weights load from a DeepSeek state dict: ``wq_b.weight``, ``wk.weight``,
     ``k_norm.weight``, ``k_norm.bias``, ``weights_proj.weight`` (``load_state_dict``), or
     from a checkpoint as shipped, fp8 block-scaled weights included (``load_checkpoint``).
+    ``fp8_weights``: ``wq_b`` and ``wk`` stay as DeepSeek ships them, fp8 e4m3 with an fp32
+    ``weight_scale_inv`` per 128x128 block (half the bytes a decode step reads for them);
+    the layer computes what it computes on them dequantised to ``dtype``, bit for bit.
     """
 
     def __init__(
@@ -84,6 +102,7 @@ class Indexer(nn.Module):
         dcp_group: torch.distributed.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.bfloat16,
+        fp8_weights: bool = False,
     ) -> None:
         super().__init__()
         if dcp_group is not None:
@@ -101,9 +120,10 @@ class Indexer(nn.Module):
                              f"{cfg.head_dim}], got {rope_dim}")
         self.cfg = cfg
         heads, dim = cfg.num_heads, cfg.head_dim
-        factory = {"device": device, "dtype": dtype}
-        self.wq_b = nn.Linear(q_lora_rank, heads * dim, bias=False, **factory)
-        self.wk = nn.Linear(hidden_size, dim, bias=False, **factory)
+        self.dtype = dtype
+        linear = BlockFP8Linear if fp8_weights else partial(nn.Linear, bias=False, dtype=dtype)
+        self.wq_b = linear(q_lora_rank, heads * dim, device=device)
+        self.wk = linear(hidden_size, dim, device=device)
         self.k_norm = nn.LayerNorm(dim, eps=1e-6, device=device, dtype=torch.float32)
         self.weights_proj = nn.Linear(hidden_size, heads, bias=False, device=device,
                                       dtype=torch.float32)
@@ -135,6 +155,7 @@ class Indexer(nn.Module):
         num_blocks: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.bfloat16,
+        fp8_weights: bool = False,
         **cfg_overrides: Any,
     ) -> Indexer:
         """A layer sized by a DeepSeek V3.2 ``config.json`` dict and the scheduler's limits.
@@ -142,7 +163,8 @@ class Indexer(nn.Module):
         Reads ``hidden_size``, ``q_lora_rank``, ``index_n_heads``, ``index_head_dim``,
         ``index_topk``, ``qk_rope_head_dim``, ``rope_theta`` and ``rope_scaling`` (absent or
         null: plain RoPE). ``cfg_overrides``: other ``IndexerConfig`` fields (block_size,
-        next_n, ...). Weights are uninitialised: see ``load_checkpoint``.
+        next_n, ...). ``fp8_weights``: see the class. Weights are uninitialised: see
+        ``load_checkpoint``.
         """
         def read(key: str) -> Any:
             if config.get(key) is None:
@@ -159,7 +181,7 @@ class Indexer(nn.Module):
                    rope_dim=read("qk_rope_head_dim"),
                    rope_theta=read("rope_theta"),
                    rope_scaling=rope_scaling_from_hf(config.get("rope_scaling")),
-                   device=device, dtype=dtype)
+                   device=device, dtype=dtype, fp8_weights=fp8_weights)
 
     def load_checkpoint(self, state_dict: Mapping[str, Tensor], prefix: str = "") -> None:
         """Loads this layer's weights from a checkpoint state dict as DeepSeek V3.2 ships it.
@@ -167,7 +189,9 @@ class Indexer(nn.Module):
         Reads the keys under ``prefix`` (e.g. ``"model.layers.3.self_attn.indexer."``) and
         ignores the others. ``wq_b.weight`` and ``wk.weight`` may be fp8 e4m3 with fp32
         ``.weight_scale_inv`` scales, one per 128x128 block; they are dequantised to the
-        layer's dtype. A missing, unexpected or wrong-shaped key raises ``ValueError``.
+        layer's dtype, or kept with ``fp8_weights`` (which takes fp8 ones only: see
+        ``block_fp8.quantize`` for 16-bit ones). A missing, unexpected or wrong-shaped key
+        raises ``ValueError``.
         """
         if prefix and not prefix.endswith("."):
             prefix += "."
@@ -211,7 +235,7 @@ class Indexer(nn.Module):
             q_fp8, head_weights = ops.project_quantize_and_cache_k(
                 hidden, q_latent, self.wq_b.weight, self.wk.weight, self.k_norm.weight,
                 self.k_norm.bias, self.k_norm.eps, self.weights_proj.weight, self.kv_cache,
-                meta.slot_mapping, *rotation)
+                meta.slot_mapping, *rotation, *self._weight_scales())
         else:  # the GEMMs as torch ops: torch.compile fuses the norm and casts around them
             q, k, weights = self._project(hidden, q_latent)
             ops.rope_hadamard_quantize_and_cache_k(k, self.kv_cache, meta.slot_mapping,
@@ -238,7 +262,7 @@ class Indexer(nn.Module):
         op = "Indexer.forward"
         cache = self.kv_cache
         for name, x, layer in (("hidden", hidden, self.wk), ("q_latent", q_latent, self.wq_b)):
-            check_tensor(op, name, x, dtype=layer.weight.dtype, ndim=2, like=cache)
+            check_tensor(op, name, x, dtype=self.dtype, ndim=2, like=cache)
             check_size(op, name, x, 1, layer.in_features, f"the layer's {name} width")
         check_tensor(op, "positions", positions, dtype=POSITION_DTYPES, ndim=1, like=cache)
         if not isinstance(meta, DecodeMetadata | PrefillMetadata):
@@ -256,7 +280,12 @@ class Indexer(nn.Module):
         """q ``[T, H, D]``, k ``[T, D]`` (normed) and the head weights, before RoPE."""
         return project_torch(hidden, q_latent, self.wq_b.weight, self.wk.weight,
                              self.k_norm.weight, self.k_norm.bias, self.k_norm.eps,
-                             self.weights_proj.weight)
+                             self.weights_proj.weight, *self._weight_scales())
+
+    def _weight_scales(self) -> tuple[Tensor | None, Tensor | None]:
+        """The block scales of ``wq_b`` and ``wk`` (``None`` unless ``fp8_weights``)."""
+        return tuple(getattr(linear, "weight_scale_inv", None)
+                     for linear in (self.wq_b, self.wk))
 
     def _decode_topk(self, q_fp8: Tensor, head_weights: Tensor, meta: DecodeMetadata
                      ) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -324,12 +353,17 @@ def _checkpoint_weight(own: Mapping[str, Tensor], prefix: str, name: str, param:
                        ) -> Tensor:
     """Checkpoint tensor ``name`` checked against ``param``, dequantised when it is fp8."""
     value = _checkpoint_tensor(own, prefix, name, tuple(param.shape))
+    if param.dtype == torch.float8_e4m3fn:  # fp8_weights: kept as shipped
+        if value.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"Indexer.load_checkpoint: {prefix + name!r} has dtype "
+                             f"{value.dtype}, expected fp8 e4m3 for a layer built with "
+                             "fp8_weights=True (build it without, or quantise the weight with "
+                             "dsa.ops.block_fp8.quantize)")
+        return value
     if param.ndim == 2 and value.dtype == torch.float8_e4m3fn:
-        rows, cols = param.shape
-        blocks = (math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK))
+        blocks = block_fp8.scale_shape(*param.shape)
         scale = _checkpoint_tensor(own, prefix, f"{name}_scale_inv", blocks).float()
-        scale = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
-        value = value.float() * scale[:rows, :cols].to(value.device)
+        value = block_fp8.dequantize(value, scale.to(value.device), torch.float32)
     elif not value.is_floating_point() or value.dtype.itemsize < 2:
         raise ValueError(f"Indexer.load_checkpoint: {prefix + name!r} has dtype {value.dtype}, "
                          "expected bf16/fp16/fp32 (or fp8 e4m3 with block scales for a linear "

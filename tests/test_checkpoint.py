@@ -105,8 +105,10 @@ def relative(x: torch.Tensor, want: torch.Tensor) -> float:
     return float((x.detach().double() - want).norm() / want.norm())
 
 
-def make_layer(dtype: torch.dtype, state=None, layer: int = 13) -> dsa.Indexer:
-    indexer = dsa.Indexer.from_hf_config(HF_CONFIG, **LIMITS, num_blocks=8, dtype=dtype)
+def make_layer(dtype: torch.dtype, state=None, layer: int = 13,
+               fp8_weights: bool = False) -> dsa.Indexer:
+    indexer = dsa.Indexer.from_hf_config(HF_CONFIG, **LIMITS, num_blocks=8, dtype=dtype,
+                                         fp8_weights=fp8_weights)
     indexer.load_checkpoint(make_checkpoint() if state is None else state,
                             prefix=prefix_of(layer))
     return indexer
@@ -158,6 +160,26 @@ def test_unquantised_checkpoint_and_prefix_without_dot():
     assert torch.equal(layer.wq_b.weight, make_layer(torch.float32, state, 3).wq_b.weight)
 
 
+def test_fp8_weights_are_kept_as_shipped():
+    state = make_checkpoint()
+    layer = make_layer(torch.bfloat16, state, layer=3, fp8_weights=True)
+    p = prefix_of(3)
+    for name in ("wq_b", "wk"):
+        linear = getattr(layer, name)
+        assert torch.equal(linear.weight.view(torch.uint8),
+                           state[f"{p}{name}.weight"].view(torch.uint8))
+        assert torch.equal(linear.weight_scale_inv, state[f"{p}{name}.weight_scale_inv"])
+    assert set(layer.state_dict()) >= {"wq_b.weight_scale_inv", "wk.weight_scale_inv"}
+    plain = dict(state)
+    plain[p + "wk.weight"] = dequantise(state[p + "wk.weight"],
+                                        state[p + "wk.weight_scale_inv"]).bfloat16()
+    del plain[p + "wk.weight_scale_inv"]
+    with pytest.raises(ValueError, match=re.escape(
+            f"'{p}wk.weight' has dtype torch.bfloat16, expected fp8 e4m3 for a layer built "
+            "with fp8_weights=True")):
+        layer.load_checkpoint(plain, prefix=p)
+
+
 def check_selection(indices: torch.Tensor, logits: list[np.ndarray]) -> None:
     """min(topk, valid) unique valid indices then -1, and a true top-k up to fp noise."""
     for row, want in zip(indices.tolist(), logits):
@@ -169,15 +191,14 @@ def check_selection(indices: torch.Tensor, logits: list[np.ndarray]) -> None:
             assert want[chosen].min() >= rest.max() - 1e-4 * np.abs(want).max()
 
 
-def test_from_hf_config_layer_runs_prefill_then_decode():
-    state = make_checkpoint()
-    layer = make_layer(torch.float32, state, layer=3)
+def run_prefill_then_decode(layer: dsa.Indexer, seed: int = 2):
+    """A prefill step (40 and 24 tokens), then a decode step of both requests: each step's
+    batch, inputs and indices."""
     cfg = layer.cfg
-    assert (cfg.num_heads, cfg.head_dim, cfg.topk, layer.rope_dim) == (HEADS, DIM, TOPK, 64)
     table = torch.zeros(2, cfg.max_blocks_per_req, dtype=torch.int32)
     table[0, 0], table[1, 0] = 5, 2
-    torch.manual_seed(2)
-    seq_lens, keys, logits, outputs = [0, 0], {}, [], []
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens, steps = [0, 0], []
     for query_lens in ([40, 24], [1, 1]):
         positions = [pos for r, q in enumerate(query_lens)
                      for pos in range(seq_lens[r], seq_lens[r] + q)]
@@ -191,10 +212,36 @@ def test_from_hf_config_layer_runs_prefill_then_decode():
         meta = (dsa.build_decode_metadata(cfg, batch) if max(query_lens) == 1 else
                 dsa.build_prefill_metadata(cfg, batch, seq_lens_cpu=seq_lens,
                                            query_start_loc_cpu=qsl))
-        hidden, q_latent = torch.randn(len(slots), HIDDEN), torch.randn(len(slots), Q_LORA)
-        outputs.append(layer(hidden, q_latent, batch.positions, meta).indices)
+        hidden = torch.randn(len(slots), HIDDEN, generator=gen).to(layer.dtype)
+        q_latent = torch.randn(len(slots), Q_LORA, generator=gen).to(layer.dtype)
+        out = layer(hidden, q_latent, batch.positions, meta)
+        steps.append((requests, positions, hidden, q_latent, out))
+    return steps
 
-        q, k, w = reference_projection(state, 3, hidden, q_latent, batch.positions)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_weights_layer_selects_as_the_dequantised_one(dtype):
+    """Prefill (the torch projections) and decode (the fused op): the same indices, slots
+    and K cache as the layer holding the weights dequantised."""
+    state = make_checkpoint()
+    fp8 = make_layer(dtype, state, layer=3, fp8_weights=True)
+    plain = make_layer(dtype, state, layer=3)
+    for got, want in zip(run_prefill_then_decode(fp8), run_prefill_then_decode(plain),
+                         strict=True):
+        assert torch.equal(got[-1].indices, want[-1].indices)
+        assert torch.equal(got[-1].slots, want[-1].slots)
+    assert torch.equal(fp8.kv_cache, plain.kv_cache)
+
+
+def test_from_hf_config_layer_runs_prefill_then_decode():
+    state = make_checkpoint()
+    layer = make_layer(torch.float32, state, layer=3)
+    cfg = layer.cfg
+    assert (cfg.num_heads, cfg.head_dim, cfg.topk, layer.rope_dim) == (HEADS, DIM, TOPK, 64)
+    keys, logits, outputs = {}, [], []
+    for requests, positions, hidden, q_latent, out in run_prefill_then_decode(layer):
+        outputs.append(out.indices)
+        q, k, w = reference_projection(state, 3, hidden, q_latent, torch.tensor(positions))
         q_codes, head_weights = ref.quantize_q(q.float().numpy(), w.float().numpy(), False)
         for r, pos, row in zip(requests, positions, k.float().numpy()):
             codes, scale = ref.quantize_row(row, False)

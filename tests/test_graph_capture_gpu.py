@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 
 import dsa
 from dsa.graphs import DecodeGraphRunner, StaticBatch, pad_batch
+from dsa.ops import block_fp8
 from dsa.ops.logits.deepgemm import deepgemm_paged_supported
 from tests.batches import STEP_CONFIGS, random_decode_batch, table_width
 
@@ -40,9 +41,21 @@ def make_cfg(**overrides) -> dsa.IndexerConfig:
     return cfg
 
 
-def make_layers(cfg: dsa.IndexerConfig) -> list[dsa.Indexer]:
-    return [dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, device="cuda")
-            for _ in range(LAYERS)]
+def make_layers(cfg: dsa.IndexerConfig, fp8_weights: bool = False) -> list[dsa.Indexer]:
+    """LAYERS layers (fp8_weights: their wq_b and wk quantised to fp8 blocks)."""
+    layers = []
+    for _ in range(LAYERS):
+        layer = dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, device="cuda")
+        if fp8_weights:
+            state = layer.state_dict()
+            for name in ("wq_b", "wk"):
+                state[f"{name}.weight"], state[f"{name}.weight_scale_inv"] = (
+                    block_fp8.quantize(state[f"{name}.weight"]))
+            layer = dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK,
+                                device="cuda", fp8_weights=True)
+            layer.load_state_dict(state)
+        layers.append(layer)
+    return layers
 
 
 def make_step(cfg: dsa.IndexerConfig, layers: list[dsa.Indexer] | None = None):
@@ -89,6 +102,7 @@ CONFIGS = {
     "next_n2_triton": {"next_n": 2, "logits_backend": "triton"},
     # the cache's block count in the config: lengths capped on the device (cap_context_lens)
     "next_n2_num_blocks": {"next_n": 2, "num_blocks": max(BUCKETS) * 2048 // 64},
+    "next_n1_fp8_weights": {"next_n": 1},  # the layers' wq_b and wk as fp8 blocks
 }
 # (config, compile backend): inductor on the default backends; aot_eager (eager numerics,
 # so the replay is also checked bit for bit against the uncompiled step) on the rest.
@@ -96,14 +110,14 @@ CASES = [("next_n1", "inductor"), ("next_n2_native", "inductor"), ("next_n3_flat
          ("compress4", "inductor"), ("next_n2_native", "aot_eager"),
          ("next_n3_flat", "aot_eager"), ("next_n1_triton", "aot_eager"),
          ("next_n2_triton", "aot_eager"), ("next_n2_num_blocks", "inductor"),
-         ("next_n4_native", "inductor")]
+         ("next_n4_native", "inductor"), ("next_n1_fp8_weights", "inductor")]
 
 
 @pytest.mark.parametrize(("name", "compile_backend"), CASES)
 def test_decode_step_replays_as_one_graph(name, compile_backend):
     torch._dynamo.reset()
     cfg = make_cfg(**CONFIGS[name])
-    step = make_step(cfg)
+    step = make_step(cfg, make_layers(cfg, fp8_weights=name.endswith("fp8_weights")))
     runner = DecodeGraphRunner(
         step, cfg, sizes=BUCKETS, table_width=table_width(cfg),
         token_inputs={"hidden": ((HIDDEN,), torch.bfloat16),

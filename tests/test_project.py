@@ -2,7 +2,9 @@
 torch projections followed by the two prologue ops' CPU faces, bit for bit; the kernel face
 (two launches up to KERNEL_TOKENS tokens: products one token at a time up to SMALL_TOKENS,
 matrix products of token tiles above) differs from it only by its fp32 sums' order:
-dequantised values within an fp8 step plus 2**-6 of their row, scales within 2**-6."""
+dequantised values within an fp8 step plus 2**-6 of their row, scales within 2**-6. fp8
+block-scaled ``wq_b`` / ``wk`` give every face's outputs for the weights dequantised, bit for
+bit."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from faces import HAS_CUDA, face_tests, opcheck_test, validation_test
 from hypothesis import strategies as st
 from test_kcache import random_cache, random_slots
 
-from dsa.ops import FACES, project
+from dsa.ops import FACES, block_fp8, project
 from dsa.ops.kcache import kcache_views
 from dsa.ops.project import KERNEL_TOKENS, SMALL_TOKENS, project_torch, project_triton
 from dsa.rope import rope_table
@@ -190,10 +192,63 @@ def test_project_gpu_16_bit_weights_proj(tokens):
     assert_faces_close(run_project("kernel", args), the_chain(args))
 
 
+def fp8_weights(args: tuple, ue8m0: bool) -> tuple[tuple, tuple]:
+    """``args`` with ``wq_b`` and ``wk`` quantised to fp8 blocks (their scales last), and
+    with the same weights dequantised."""
+    (wq_b, wq_b_scale), (wk, wk_scale) = (block_fp8.quantize(w, ue8m0) for w in args[2:4])
+    dtype = args[0].dtype
+    dequantised = (block_fp8.dequantize(wq_b, wq_b_scale, dtype),
+                   block_fp8.dequantize(wk, wk_scale, dtype))
+    return ((*args[:2], wq_b, wk, *args[4:], wq_b_scale, wk_scale),
+            (*args[:2], *dequantised, *args[4:]))
+
+
+def assert_same_outputs(got: tuple, want: tuple) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+def test_partial_sums_stay_inside_weight_blocks():
+    """A program's columns and a step's elements share one fp8 block's scale."""
+    for tokens in (1, 2, 64, 65, KERNEL_TOKENS):
+        plan = project.partials_plan(tokens)
+        for size in (project.COLS, plan.q_cols, plan.step):
+            assert block_fp8.BLOCK % size == 0
+
+
+@pytest.mark.parametrize("face", ["cpu", pytest.param("kernel", marks=pytest.mark.interpret)])
+@pytest.mark.parametrize(("tokens", "dtype", "ue8m0"), [
+    (1, torch.bfloat16, False), (2, torch.bfloat16, True), (3, torch.float16, False),
+    (1, torch.float32, True), (2, torch.float32, False)])
+def test_project_fp8_weights(face, tokens, dtype, ue8m0):
+    """fp8 ``wq_b`` and ``wk`` with block scales (widths, q columns and k columns past a
+    whole block; ue8m0: power-of-two scales) give the outputs of their dequantised weights
+    exactly: one token at a time and by matrix products."""
+    if face == "kernel" and HAS_CUDA:
+        pytest.skip("the kernel face on CUDA tensors: test_project_gpu_fp8_weights")
+    args = project_case(tokens, tokens, 300, 200, 5, 32, dtype, 16)
+    fp8, dequantised = fp8_weights(args, ue8m0)
+    assert_same_outputs(run_project(face, fp8), run_project(face, dequantised))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 2, 16, 64, 100, KERNEL_TOKENS + 1])
+def test_project_gpu_fp8_weights(tokens):
+    """V3.2's sizes and checkpoint format (fp8 ``wq_b`` / ``wk``, power-of-two block
+    scales): the outputs of the dequantised weights, bit for bit, up to KERNEL_TOKENS from
+    the kernels, above from the torch projections."""
+    args = project_case(tokens, tokens, 7168, 1536, 64, 128, rope_dim=64, block_size=64)
+    fp8, dequantised = fp8_weights(args, ue8m0=True)
+    assert_same_outputs(run_project("kernel", fp8), run_project("kernel", dequantised))
+
+
 test_project_opcheck = opcheck_test(
     [project_case(0, tokens, 200, 100, 4, 32) for tokens in (0, 1, 3)], op=OP)
 
 _GOOD = project_case(1, 2, 64, 48, 4, 16)
+_FP8 = fp8_weights(_GOOD, ue8m0=False)[0]
 
 
 def _bad(index: int, value) -> tuple:
@@ -220,6 +275,15 @@ test_project_rejects_bad_inputs = validation_test([
     (_bad(10, _GOOD[10][:, :5].contiguous()), ValueError,
      r"`cos_sin` must be \[max_len >= 1, rope_dim\]"),
     (_bad(11, _GOOD[11][:1]), ValueError, r"`positions`.*num_tokens"),
+    ((*_FP8[:14], None, _FP8[15]), ValueError,
+     r"an fp8 e4m3 `wq_b` needs `wq_b_scale`, its fp32 scales per 128x128 block, got None"),
+    ((*_GOOD, None, _FP8[15]), ValueError,
+     r"`wk_scale` goes with an fp8 e4m3 `wk` only, got a scale for a torch.bfloat16 `wk`"),
+    ((*_FP8[:14], _FP8[14].double(), _FP8[15]), TypeError, r"`wq_b_scale` must be"),
+    ((*_FP8[:15], _FP8[15][:, :0]), ValueError,
+     r"`wk_scale` must have size 1 \(ceil\(wk.shape\[1\] / 128\)\) in dimension 1"),
+    ((*_FP8[:3], _FP8[3].to(torch.float8_e5m2), *_FP8[4:]), TypeError,
+     r"`wk` must be torch.bfloat16 or torch.float8_e4m3fn"),
 ], op=OP)
 
 

@@ -2,9 +2,9 @@
 ``dsa::project_quantize_and_cache_k``.
 
 ``project_quantize_and_cache_k(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps,
-weights_proj, kv_cache, slot_mapping, cos_sin, positions, hadamard, ue8m0)`` →
-``(q_fp8 [T, H, D], head_weights [T, H])``, and the step's K written to ``kv_cache``: the
-layer's three projections, then its two prologue ops (τ = hidden's dtype)::
+weights_proj, kv_cache, slot_mapping, cos_sin, positions, hadamard, ue8m0, wq_b_scale,
+wk_scale)`` → ``(q_fp8 [T, H, D], head_weights [T, H])``, and the step's K written to
+``kv_cache``: the layer's three projections, then its two prologue ops (τ = hidden's dtype)::
 
     q = round_τ(q_latent @ wq_b.T) viewed as [T, H, D]
     k = round_τ(LayerNorm(round_τ(hidden @ wk.T)))              (LayerNorm in fp32)
@@ -12,17 +12,22 @@ layer's three projections, then its two prologue ops (τ = hidden's dtype)::
     rope_hadamard_quantize_and_cache_k(k, kv_cache, slot_mapping, cos_sin, positions, ...)
     q_fp8, head_weights = rope_hadamard_quantize_q(q, weights, cos_sin, positions, ...)
 
-A decode step multiplies a few tokens by three weight matrices (28 MB at V3.2's sizes):
-what it costs is reading them once. On CUDA, up to ``KERNEL_TOKENS`` tokens take two
-Triton launches: fp32 partial sums of the three products over slices of their inner dims
-(one token at a time up to ``SMALL_TOKENS``, matrix products of token tiles above), then a
-program per tile of (token, head) rows that adds up its q and weight partials and runs the
-q prologue, and one per token that adds up its k partials, normalises k and runs the k
-prologue. That replaces the GEMMs, their split-K reductions, the casts, the LayerNorm and
-the two prologue launches. The partial sums run in fp32, in another order than a GEMM's.
-More tokens, and the CPU, take the torch ops and the prologue ops' faces; ``dsa.Indexer``
-calls those itself above ``KERNEL_TOKENS`` tokens, so torch.compile fuses them with their
-neighbours.
+``wq_b`` and ``wk`` are τ, or fp8 e4m3 with their block scales (``wq_b_scale``,
+``wk_scale``) as DeepSeek ships them: the op then computes on the weights dequantised to τ
+(``block_fp8``), bit for bit what it computes given those, and its kernels read half the
+bytes.
+
+A decode step multiplies a few tokens by three weight matrices (28 MB at V3.2's sizes, 15
+with fp8 ``wq_b`` and ``wk``): what it costs is reading them once. On CUDA, up to
+``KERNEL_TOKENS`` tokens take two Triton launches: fp32 partial sums of the three products
+over slices of their inner dims (one token at a time up to ``SMALL_TOKENS``, matrix products
+of token tiles above), then a program per tile of (token, head) rows that adds up its q and
+weight partials and runs the q prologue, and one per token that adds up its k partials,
+normalises k and runs the k prologue. That replaces the GEMMs, their split-K reductions, the
+casts, the LayerNorm and the two prologue launches. The partial sums run in fp32, in another
+order than a GEMM's. More tokens, and the CPU, take the torch ops and the prologue ops'
+faces; ``dsa.Indexer`` calls those itself above ``KERNEL_TOKENS`` tokens, so torch.compile
+fuses them with their neighbours.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from torch import Tensor
 from dsa.ops._checks import check_size, check_tensor
 from dsa.ops._launch import launch, row_tile, tile_warps
 from dsa.ops._registry import dsa_op
+from dsa.ops.block_fp8 import BLOCK as WEIGHT_BLOCK
+from dsa.ops.block_fp8 import check_block_fp8, dequantize
 from dsa.ops.kcache import (
     check_kv_cache,
     check_write_args,
@@ -81,6 +88,9 @@ COLS, STEP, HIDDEN_STEPS, Q_STEPS, PARTIALS_WARPS = 32, 128, 4, 2, 4
 # operands in registers without spilling), steps of a hidden-dim slice, columns of wq_b per
 # program; tokens, warps and q_lora-dim slice steps of a program by T (partials_plan).
 TILE_STEP, TILE_HIDDEN_STEPS, TILE_Q_COLS = 64, 8, 64
+# fp8 weights: a program's columns and a step's inner-dim elements lie in one block of
+# scales (COLS, the q columns and the steps divide it; tests/test_project.py checks).
+_BLOCK = tl.constexpr(WEIGHT_BLOCK)
 
 
 class PartialsPlan(NamedTuple):
@@ -125,14 +135,14 @@ class _Sizes:
 def _check(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor, norm_weight: Tensor,
            norm_bias: Tensor, eps: float, weights_proj: Tensor, kv_cache: Tensor,
            slot_mapping: Tensor, cos_sin: Tensor, positions: Tensor, hadamard: bool,
-           ue8m0: bool) -> _Sizes:
+           ue8m0: bool, wq_b_scale: Tensor | None, wk_scale: Tensor | None) -> _Sizes:
     op = "project_quantize_and_cache_k"
     check_tensor(op, "hidden", hidden, dtype=FLOAT_DTYPES, ndim=2)
     tokens, width = hidden.shape
     tokens_are = (tokens, "num_tokens = hidden.shape[0]")
     check_tensor(op, "q_latent", q_latent, dtype=hidden.dtype, ndim=2, like=hidden)
     check_size(op, "q_latent", q_latent, 0, *tokens_are)
-    check_tensor(op, "wk", wk, dtype=hidden.dtype, ndim=2, like=hidden)
+    check_block_fp8(op, "wk", wk, wk_scale, hidden.dtype, like=hidden)
     check_size(op, "wk", wk, 1, width, "hidden_size = hidden.shape[1]")
     head_dim = wk.shape[0]
     if width < 1 or head_dim < 1:
@@ -146,7 +156,7 @@ def _check(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor, norm_weig
     check_tensor(op, "weights_proj", weights_proj, dtype=FLOAT_DTYPES, ndim=2, like=hidden)
     check_size(op, "weights_proj", weights_proj, 1, width, "hidden_size = hidden.shape[1]")
     heads = weights_proj.shape[0]
-    check_tensor(op, "wq_b", wq_b, dtype=hidden.dtype, ndim=2, like=hidden)
+    check_block_fp8(op, "wq_b", wq_b, wq_b_scale, hidden.dtype, like=hidden)
     check_size(op, "wq_b", wq_b, 0, heads * head_dim,
                "num_heads * head_dim = weights_proj.shape[0] * wk.shape[0]")
     check_size(op, "wq_b", wq_b, 1, q_latent.shape[1], "q_lora_rank = q_latent.shape[1]")
@@ -168,17 +178,22 @@ def _project_quantize_out(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Te
                           norm_weight: Tensor, norm_bias: Tensor, eps: float,
                           weights_proj: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                           cos_sin: Tensor, positions: Tensor, hadamard: bool = True,
-                          ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+                          ue8m0: bool = False, wq_b_scale: Tensor | None = None,
+                          wk_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     n = _check(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps, weights_proj, kv_cache,
-               slot_mapping, cos_sin, positions, hadamard, ue8m0)
+               slot_mapping, cos_sin, positions, hadamard, ue8m0, wq_b_scale, wk_scale)
     return (hidden.new_empty((n.tokens, n.heads, n.head_dim), dtype=torch.float8_e4m3fn),
             hidden.new_empty((n.tokens, n.heads), dtype=torch.float32))
 
 
 def project_torch(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
-                  norm_weight: Tensor, norm_bias: Tensor, eps: float, weights_proj: Tensor
+                  norm_weight: Tensor, norm_bias: Tensor, eps: float, weights_proj: Tensor,
+                  wq_b_scale: Tensor | None = None, wk_scale: Tensor | None = None
                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """The layer's projections as torch ops: q ``[T, H, D]``, k ``[T, D]``, the weights."""
+    """The layer's projections as torch ops: q ``[T, H, D]``, k ``[T, D]``, the weights
+    (fp8 ``wq_b`` / ``wk`` dequantised to hidden's dtype first)."""
+    wq_b = dequantize(wq_b, wq_b_scale, hidden.dtype)
+    wk = dequantize(wk, wk_scale, hidden.dtype)
     head_dim = wk.shape[0]
     q = F.linear(q_latent, wq_b).view(hidden.shape[0], wq_b.shape[0] // head_dim, head_dim)
     k = F.layer_norm(F.linear(hidden, wk).float(), (head_dim,), norm_weight, norm_bias, eps)
@@ -190,12 +205,13 @@ def _project_quantize_cpu(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Te
                           norm_weight: Tensor, norm_bias: Tensor, eps: float,
                           weights_proj: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                           cos_sin: Tensor, positions: Tensor, hadamard: bool = True,
-                          ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+                          ue8m0: bool = False, wq_b_scale: Tensor | None = None,
+                          wk_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     outputs = _project_quantize_out(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps,
                                     weights_proj, kv_cache, slot_mapping, cos_sin, positions,
-                                    hadamard, ue8m0)
+                                    hadamard, ue8m0, wq_b_scale, wk_scale)
     q, k, weights = project_torch(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps,
-                                  weights_proj)
+                                  weights_proj, wq_b_scale, wk_scale)
     write_k_rows(rope_hadamard(k, cos_sin, positions, hadamard), kv_cache, slot_mapping, ue8m0)
     return quantize_heads_into(*outputs, rope_hadamard(q, cos_sin, positions, hadamard),
                                weights, ue8m0)
@@ -205,31 +221,48 @@ def _project_quantize_cpu(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Te
 
 
 @triton.jit
-def _slice_products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo,
-                    TP: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr,
-                    SLICE_STEPS: tl.constexpr):
+def _weight_tile(w, rows_ok, e0, e, width, dtype: tl.constexpr, SCALED: tl.constexpr):
+    """``w[rows, e]`` (0 where masked; ``w``: (row pointers, their column stride, the
+    first row, the scales' pointer and strides), ``e0``: ``e``'s first); SCALED: fp8 codes
+    times their block's scale, rounded to ``dtype`` (the rows and ``e`` lie in one block)."""
+    w_rows, w_s1, row0, s_ptr, s_s0, s_s1 = w
+    tile = tl.load(w_rows[:, None] + e[None, :].to(tl.int64) * w_s1,
+                   mask=rows_ok[:, None] & (e < width)[None, :], other=0.0)
+    if SCALED:
+        e0 = tl.minimum(e0, width - 1)  # past the width: any block's scale, the codes are 0
+        scale = tl.load(s_ptr + (row0 // _BLOCK) * s_s0 + (e0 // _BLOCK) * s_s1)
+        tile = round_to(tile.to(tl.float32) * scale, dtype).to(dtype)
+    return tile
+
+
+@triton.jit
+def _slice_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.constexpr,
+                    COLS: tl.constexpr, STEP: tl.constexpr, SLICE_STEPS: tl.constexpr,
+                    SCALED: tl.constexpr):
     """fp32 ``[TP, COLS]`` sums over inner-dim elements ``lo .. lo + SLICE_STEPS * STEP`` of
-    ``x[t, :] * w[c, :]`` (``w_rows``: the ``COLS`` row pointers; masked rows count 0), one
-    token at a time."""
+    ``x[t, :] * w[c, :]`` (``w``: see :func:`_weight_tile`; masked rows count 0), one token
+    at a time."""
     t = tl.arange(0, TP)
     acc = tl.zeros([TP, COLS], tl.float32)
     for step in tl.static_range(SLICE_STEPS):
-        e = lo + step * STEP + tl.arange(0, STEP)
-        w = tl.load(w_rows[:, None] + e[None, :].to(tl.int64) * w_s1,
-                    mask=rows_ok[:, None] & (e < width)[None, :], other=0.0).to(tl.float32)
+        e0 = lo + step * STEP
+        e = e0 + tl.arange(0, STEP)
+        w_tile = _weight_tile(w, rows_ok, e0, e, width, x_ptr.dtype.element_ty,
+                              SCALED).to(tl.float32)
         x_row = x_ptr  # advanced by a stride (a plain int where Triton specialises it to 1)
         for j in tl.static_range(TP):
             x = tl.load(x_row + e.to(tl.int64) * x_s1,
                         mask=(e < width) & (e * 0 + j < tokens), other=0.0).to(tl.float32)
-            acc += tl.where(t[:, None] == j, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
+            acc += tl.where(t[:, None] == j, tl.sum(w_tile * x[None, :], axis=1)[None, :],
+                            0.0)
             x_row += x_s0
     return acc
 
 
 @triton.jit
-def _tile_products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo,
-                   TP: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr,
-                   SLICE_STEPS: tl.constexpr, NATIVE: tl.constexpr):
+def _tile_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.constexpr,
+                   COLS: tl.constexpr, STEP: tl.constexpr, SLICE_STEPS: tl.constexpr,
+                   SCALED: tl.constexpr, NATIVE: tl.constexpr):
     """:func:`_slice_products` for a tile of TP tokens by matrix products, their operands'
     products exact and summed in fp32: NATIVE, in the operands' dtype where both share a
     16-bit one, else in fp32 (without TF32)."""
@@ -240,14 +273,13 @@ def _tile_products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo,
         e_ok = (e < width)[None, :]
         x = tl.load(x_ptr + t[:, None].to(tl.int64) * x_s0 + e[None, :].to(tl.int64) * x_s1,
                     mask=(t < tokens)[:, None] & e_ok, other=0.0)
-        w = tl.load(w_rows[:, None] + e[None, :].to(tl.int64) * w_s1,
-                    mask=rows_ok[:, None] & e_ok, other=0.0)
-        if NATIVE and (x.dtype == w.dtype) and (x.dtype != tl.float32):
-            acc = tl.dot(x, tl.trans(w), acc)
-        elif NATIVE and (x.dtype == tl.bfloat16) and (w.dtype == tl.float32):
-            acc = _split_dot(x, w, acc)
+        w_tile = _weight_tile(w, rows_ok, lo + step * STEP, e, width, x.dtype, SCALED)
+        if NATIVE and (x.dtype == w_tile.dtype) and (x.dtype != tl.float32):
+            acc = tl.dot(x, tl.trans(w_tile), acc)
+        elif NATIVE and (x.dtype == tl.bfloat16) and (w_tile.dtype == tl.float32):
+            acc = _split_dot(x, w_tile, acc)
         else:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
+            acc = tl.dot(x.to(tl.float32), tl.trans(w_tile.to(tl.float32)), acc,
                          input_precision="ieee")
     return acc
 
@@ -267,27 +299,29 @@ def _split_dot(x, w, acc):
 
 
 @triton.jit
-def _products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo,
-              TP: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr,
-              SLICE_STEPS: tl.constexpr, DOT: tl.constexpr):
+def _products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.constexpr,
+              COLS: tl.constexpr, STEP: tl.constexpr, SLICE_STEPS: tl.constexpr,
+              SCALED: tl.constexpr, DOT: tl.constexpr):
     """The partial sums of a program: DOT 0 :func:`_slice_products`, 1
     :func:`_tile_products` in fp32, 2 the same with native 16-bit operands."""
     if DOT:
-        acc = _tile_products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo, TP,
-                             COLS, STEP, SLICE_STEPS, DOT == 2)
+        acc = _tile_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP, COLS, STEP,
+                             SLICE_STEPS, SCALED, DOT == 2)
     else:
-        acc = _slice_products(x_ptr, x_s0, x_s1, w_rows, w_s1, rows_ok, tokens, width, lo, TP,
-                              COLS, STEP, SLICE_STEPS)
+        acc = _slice_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP, COLS,
+                              STEP, SLICE_STEPS, SCALED)
     return acc
 
 
 @triton.jit
-def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wp_ptr, wp_s0, wp_s1,
-                     hpart_ptr, tokens, width, D: tl.constexpr, H: tl.constexpr,
-                     TP: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr,
-                     H_STEPS: tl.constexpr, DOT: tl.constexpr):
+def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, wks_s0, wks_s1,
+                     wp_ptr, wp_s0, wp_s1, hpart_ptr, tokens, width, D: tl.constexpr,
+                     H: tl.constexpr, TP: tl.constexpr, COLS: tl.constexpr,
+                     STEP: tl.constexpr, H_STEPS: tl.constexpr, WK_SCALED: tl.constexpr,
+                     DOT: tl.constexpr):
     """``hpart[s, t, c]`` of program ``pid = s * H_BLOCKS + block``: COLS columns c of
-    ``[wk; weights_proj]`` (k's D, then the H head weights), tokens ``t0 .. t0 + TP - 1``."""
+    ``[wk; weights_proj]`` (k's D, then the H head weights), tokens ``t0 .. t0 + TP - 1``
+    (WK_SCALED: fp8 ``wk`` with its block scales at ``wks_ptr``)."""
     K_BLOCKS: tl.constexpr = (D + COLS - 1) // COLS
     H_BLOCKS: tl.constexpr = K_BLOCKS + (H + COLS - 1) // COLS
     c = tl.arange(0, COLS)
@@ -298,53 +332,61 @@ def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wp_ptr, w
     lo = s * (H_STEPS * STEP)
     if block < K_BLOCKS:
         rows = block * COLS + c
-        acc = _products(x, x_s0, x_s1, wk_ptr + rows.to(tl.int64) * wk_s0, wk_s1, rows < D,
-                        tokens - t0, width, lo, TP, COLS, STEP, H_STEPS, DOT)
+        w = (wk_ptr + rows.to(tl.int64) * wk_s0, wk_s1, block * COLS, wks_ptr, wks_s0, wks_s1)
+        acc = _products(x, x_s0, x_s1, w, rows < D, tokens - t0, width, lo, TP, COLS, STEP,
+                        H_STEPS, WK_SCALED, DOT)
         col, col_ok = rows, rows < D
     else:
         rows = (block - K_BLOCKS) * COLS + c
-        acc = _products(x, x_s0, x_s1, wp_ptr + rows.to(tl.int64) * wp_s0, wp_s1, rows < H,
-                        tokens - t0, width, lo, TP, COLS, STEP, H_STEPS, DOT)
+        w = (wp_ptr + rows.to(tl.int64) * wp_s0, wp_s1, 0, wp_ptr, 0, 0)
+        acc = _products(x, x_s0, x_s1, w, rows < H, tokens - t0, width, lo, TP, COLS, STEP,
+                        H_STEPS, False, DOT)
         col, col_ok = D + rows, rows < H
     out = hpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * (D + H) + col[None, :]
     tl.store(out, acc, mask=(t < tokens)[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _q_partials(q_pid, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, qpart_ptr, tokens,
-                q_width, N: tl.constexpr, TP: tl.constexpr, Q_COLS: tl.constexpr,
-                STEP: tl.constexpr, Q_STEPS: tl.constexpr, DOT: tl.constexpr):
+def _q_partials(q_pid, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr, wqs_s0, wqs_s1,
+                qpart_ptr, tokens, q_width, N: tl.constexpr, TP: tl.constexpr,
+                Q_COLS: tl.constexpr, STEP: tl.constexpr, Q_STEPS: tl.constexpr,
+                WQ_SCALED: tl.constexpr, DOT: tl.constexpr):
     """``qpart[s, t, c]`` of program ``q_pid = s * Q_BLOCKS + block``: Q_COLS of the N
-    columns of ``wq_b``, tokens ``t0 .. t0 + TP - 1``."""
+    columns of ``wq_b``, tokens ``t0 .. t0 + TP - 1`` (WQ_SCALED: fp8 ``wq_b`` with its
+    block scales at ``wqs_ptr``)."""
     Q_BLOCKS: tl.constexpr = (N + Q_COLS - 1) // Q_COLS
     t = t0 + tl.arange(0, TP)
     s = q_pid // Q_BLOCKS
-    col = (q_pid % Q_BLOCKS) * Q_COLS + tl.arange(0, Q_COLS)
-    acc = _products(ql_ptr + t0.to(tl.int64) * ql_s0, ql_s0, ql_s1,
-                    wq_ptr + col.to(tl.int64) * wq_s0, wq_s1, col < N, tokens - t0, q_width,
-                    s * (Q_STEPS * STEP), TP, Q_COLS, STEP, Q_STEPS, DOT)
+    col0 = (q_pid % Q_BLOCKS) * Q_COLS
+    col = col0 + tl.arange(0, Q_COLS)
+    w = (wq_ptr + col.to(tl.int64) * wq_s0, wq_s1, col0, wqs_ptr, wqs_s0, wqs_s1)
+    acc = _products(ql_ptr + t0.to(tl.int64) * ql_s0, ql_s0, ql_s1, w, col < N, tokens - t0,
+                    q_width, s * (Q_STEPS * STEP), TP, Q_COLS, STEP, Q_STEPS, WQ_SCALED, DOT)
     out = qpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * N + col[None, :]
     tl.store(out, acc, mask=(t < tokens)[:, None] & (col < N)[None, :])
 
 
 @triton.jit
-def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_s1, wp_ptr,
-                     wp_s0, wp_s1, wq_ptr, wq_s0, wq_s1, hpart_ptr, qpart_ptr, tokens, width,
-                     q_width, D: tl.constexpr, H: tl.constexpr, TP: tl.constexpr,
-                     COLS: tl.constexpr, Q_COLS: tl.constexpr, STEP: tl.constexpr,
-                     H_STEPS: tl.constexpr, Q_STEPS: tl.constexpr,
-                     H_PROGRAMS: tl.constexpr, DOT: tl.constexpr):
+def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_s1, wks_ptr,
+                     wks_s0, wks_s1, wp_ptr, wp_s0, wp_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr,
+                     wqs_s0, wqs_s1, hpart_ptr, qpart_ptr, tokens, width, q_width,
+                     D: tl.constexpr, H: tl.constexpr, TP: tl.constexpr, COLS: tl.constexpr,
+                     Q_COLS: tl.constexpr, STEP: tl.constexpr, H_STEPS: tl.constexpr,
+                     Q_STEPS: tl.constexpr, H_PROGRAMS: tl.constexpr,
+                     WK_SCALED: tl.constexpr, WQ_SCALED: tl.constexpr, DOT: tl.constexpr):
     """Program (i, j), tokens ``j * TP ..``: the first H_PROGRAMS programs i
     :func:`_hidden_partials` (over the hidden dim), the others :func:`_q_partials` (over the
     q_lora dim)."""
     pid = tl.program_id(0)
     t0 = tl.program_id(1) * TP
     if pid < H_PROGRAMS:
-        _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wp_ptr, wp_s0,
-                         wp_s1, hpart_ptr, tokens, width, D, H, TP, COLS, STEP, H_STEPS, DOT)
+        _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, wks_s0,
+                         wks_s1, wp_ptr, wp_s0, wp_s1, hpart_ptr, tokens, width, D, H, TP, COLS,
+                         STEP, H_STEPS, WK_SCALED, DOT)
     else:
-        _q_partials(pid - H_PROGRAMS, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1,
-                    qpart_ptr, tokens, q_width, H * D, TP, Q_COLS, STEP, Q_STEPS, DOT)
+        _q_partials(pid - H_PROGRAMS, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr,
+                    wqs_s0, wqs_s1, qpart_ptr, tokens, q_width, H * D, TP, Q_COLS, STEP,
+                    Q_STEPS, WQ_SCALED, DOT)
 
 
 @triton.jit
@@ -447,7 +489,8 @@ def _prologue_kernel(hpart_ptr, qpart_ptr, tokens, q_programs, nw_ptr, nb_ptr, e
 def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
                    norm_weight: Tensor, norm_bias: Tensor, eps: float, weights_proj: Tensor,
                    kv_cache: Tensor, slot_mapping: Tensor, cos_sin: Tensor, positions: Tensor,
-                   hadamard: bool, ue8m0: bool, q_fp8: Tensor, head_weights: Tensor) -> None:
+                   hadamard: bool, ue8m0: bool, q_fp8: Tensor, head_weights: Tensor,
+                   wq_b_scale: Tensor | None = None, wk_scale: Tensor | None = None) -> None:
     """The two Triton launches into ``q_fp8``, ``head_weights`` and the cache (arguments
     already validated; at most ``KERNEL_TOKENS`` tokens)."""
     n = _Sizes(hidden, q_latent, wk, weights_proj)
@@ -467,11 +510,13 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
     launch(_partials_kernel,
            (h_slices * h_blocks + q_slices * q_blocks, triton.cdiv(n.tokens, plan.tokens)),
            hidden, *hidden.stride(), q_latent, *q_latent.stride(), wk, *wk.stride(),
-           weights_proj, *weights_proj.stride(), wq_b, *wq_b.stride(), hpart, qpart,
-           n.tokens, n.width, n.q_width, D=n.head_dim, H=n.heads, TP=plan.tokens, COLS=COLS,
-           Q_COLS=plan.q_cols, STEP=plan.step, H_STEPS=plan.hidden_steps, Q_STEPS=plan.q_steps,
-           H_PROGRAMS=h_slices * h_blocks, DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0,
-           num_warps=plan.warps)
+           *_scale_args(wk_scale, wk), weights_proj, *weights_proj.stride(), wq_b,
+           *wq_b.stride(), *_scale_args(wq_b_scale, wq_b), hpart, qpart, n.tokens, n.width,
+           n.q_width, D=n.head_dim, H=n.heads, TP=plan.tokens, COLS=COLS, Q_COLS=plan.q_cols,
+           STEP=plan.step, H_STEPS=plan.hidden_steps, Q_STEPS=plan.q_steps,
+           H_PROGRAMS=h_slices * h_blocks, WK_SCALED=wk_scale is not None,
+           WQ_SCALED=wq_b_scale is not None,
+           DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0, num_warps=plan.warps)
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
     block_d = triton.next_power_of_2(n.head_dim)
@@ -490,6 +535,11 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            **rope_constexprs(n.head_dim, cos_sin, hadamard))
 
 
+def _scale_args(scale: Tensor | None, weight: Tensor) -> tuple[Tensor, int, int]:
+    """A block-scaled weight's scales and strides; without scales, the weight (never read)."""
+    return (weight, 0, 0) if scale is None else (scale, *scale.stride())
+
+
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -498,14 +548,16 @@ def _project_quantize_cuda(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: T
                            norm_weight: Tensor, norm_bias: Tensor, eps: float,
                            weights_proj: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                            cos_sin: Tensor, positions: Tensor, hadamard: bool = True,
-                           ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+                           ue8m0: bool = False, wq_b_scale: Tensor | None = None,
+                           wk_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     args = (hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps, weights_proj)
     rotation = (cos_sin, positions, hadamard, ue8m0)
-    outputs = _project_quantize_out(*args, kv_cache, slot_mapping, *rotation)
+    scales = (wq_b_scale, wk_scale)
+    outputs = _project_quantize_out(*args, kv_cache, slot_mapping, *rotation, *scales)
     if hidden.shape[0] <= KERNEL_TOKENS:
-        project_triton(*args, kv_cache, slot_mapping, *rotation, *outputs)
+        project_triton(*args, kv_cache, slot_mapping, *rotation, *outputs, *scales)
         return outputs
-    q, k, weights = project_torch(*args)
+    q, k, weights = project_torch(*args, *scales)
     k_prologue_triton(k, kv_cache, slot_mapping, *rotation)
     q_prologue_triton(q, weights, *rotation, *outputs)
     return outputs
