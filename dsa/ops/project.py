@@ -332,14 +332,15 @@ def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, 
     lo = s * (H_STEPS * STEP)
     if block < K_BLOCKS:
         rows = block * COLS + c
-        w = (wk_ptr + rows.to(tl.int64) * wk_s0, wk_s1, block * COLS, wks_ptr, wks_s0, wks_s1)
-        acc = _products(x, x_s0, x_s1, w, rows < D, tokens - t0, width, lo, TP, COLS, STEP,
+        wk_tile = (wk_ptr + rows.to(tl.int64) * wk_s0, wk_s1, block * COLS, wks_ptr, wks_s0,
+                   wks_s1)
+        acc = _products(x, x_s0, x_s1, wk_tile, rows < D, tokens - t0, width, lo, TP, COLS, STEP,
                         H_STEPS, WK_SCALED, DOT)
         col, col_ok = rows, rows < D
     else:
         rows = (block - K_BLOCKS) * COLS + c
-        w = (wp_ptr + rows.to(tl.int64) * wp_s0, wp_s1, 0, wp_ptr, 0, 0)
-        acc = _products(x, x_s0, x_s1, w, rows < H, tokens - t0, width, lo, TP, COLS, STEP,
+        wp_tile = (wp_ptr + rows.to(tl.int64) * wp_s0, wp_s1, 0, wp_ptr, 0, 0)
+        acc = _products(x, x_s0, x_s1, wp_tile, rows < H, tokens - t0, width, lo, TP, COLS, STEP,
                         H_STEPS, False, DOT)
         col, col_ok = D + rows, rows < H
     out = hpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * (D + H) + col[None, :]
