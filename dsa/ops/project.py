@@ -107,15 +107,15 @@ class PartialsPlan(NamedTuple):
     warps: int
 
 
-def partials_plan(tokens: int) -> PartialsPlan:
+def partials_plan(tokens: int, fp8_q: bool = False) -> PartialsPlan:
     """The partial-sums launch of a call of ``tokens`` tokens. Above SMALL_TOKENS, H200
     (77f4233, one call after an L2 flush; BENCHMARKS.md, "Session of 2026-12-01, eighth"):
     up to 64 tokens one tile of 4 warps, the q_lora dim in two slices (21.2 against 24.9
     us at T = 8, 24.3 against 28.8 at T = 64); above, tiles of 128 tokens in 8 warps, the
     q_lora dim whole (33.8 against 34.6 us at T = 128, 49.3 against 51.1 at T = 256)."""
-    if tokens <= SMALL_TOKENS:
+    if tokens <= SMALL_TOKENS:  # fp8 wq_b: as many bytes per step in twice the columns
         return PartialsPlan(triton.next_power_of_2(tokens), False, STEP, HIDDEN_STEPS,
-                            Q_STEPS, COLS, PARTIALS_WARPS)
+                            Q_STEPS, 2 * COLS if fp8_q else COLS, PARTIALS_WARPS)
     if tokens <= 64:
         return PartialsPlan(max(16, triton.next_power_of_2(tokens)), True, TILE_STEP,
                             TILE_HIDDEN_STEPS, 12, TILE_Q_COLS, 4)
@@ -500,7 +500,7 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
                          f"{KERNEL_TOKENS} tokens, got {n.tokens}")
     if n.tokens == 0:
         return
-    plan = partials_plan(n.tokens)
+    plan = partials_plan(n.tokens, wq_b_scale is not None)
     h_slices = triton.cdiv(n.width, plan.hidden_steps * plan.step)
     q_slices = triton.cdiv(n.q_width, plan.q_steps * plan.step)
     h_blocks = triton.cdiv(n.head_dim, COLS) + triton.cdiv(n.heads, COLS)
