@@ -221,18 +221,42 @@ def _project_quantize_cpu(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Te
 
 
 @triton.jit
-def _weight_tile(w, rows_ok, e0, e, width, dtype: tl.constexpr, SCALED: tl.constexpr):
-    """``w[rows, e]`` (0 where masked; ``w``: (row pointers, their column stride, the
-    first row, the scales' pointer and strides), ``e0``: ``e``'s first); SCALED: fp8 codes
-    times their block's scale, rounded to ``dtype`` (the rows and ``e`` lie in one block)."""
+def _power_of_two(x):
+    """Whether fp32 ``x`` is a normal power of two."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    return ((bits & 0x7FFFFF) == 0) & (exponent > 0) & (exponent < 255)
+
+
+@triton.jit
+def _weight_tile(w, rows_ok, e0, e, width, dtype: tl.constexpr, SCALED: tl.constexpr,
+                 SCALE_SUMS: tl.constexpr):
+    """(``w[rows, e]``, 0 where masked; the factor of its products' sums). ``w``: (row
+    pointers, their column stride, the first row, the scales' pointer and strides); ``e0``:
+    ``e``'s first. SCALED: fp8 codes times their block's scale (the rows and ``e`` lie in
+    one block) rounded to ``dtype``; where the scale is a power of two (V3.1+ checkpoints)
+    the products are exact, so with SCALE_SUMS the fp32 codes come with the scale as the
+    factor (the sums scaled instead, exactly), else 1."""
     w_rows, w_s1, row0, s_ptr, s_s0, s_s1 = w
     tile = tl.load(w_rows[:, None] + e[None, :].to(tl.int64) * w_s1,
                    mask=rows_ok[:, None] & (e < width)[None, :], other=0.0)
+    factor = tl.full([], 1.0, tl.float32)
     if SCALED:
         e0 = tl.minimum(e0, width - 1)  # past the width: any block's scale, the codes are 0
         scale = tl.load(s_ptr + (row0 // _BLOCK) * s_s0 + (e0 // _BLOCK) * s_s1)
-        tile = round_to(tile.to(tl.float32) * scale, dtype).to(dtype)
-    return tile
+        codes = tile.to(tl.float32)
+        if SCALE_SUMS:
+            if _power_of_two(scale):
+                values = codes
+                factor = scale
+            else:
+                values = round_to(codes * scale, dtype)
+        elif _power_of_two(scale):
+            values = (codes * scale).to(dtype)
+        else:  # round_to: the interpreter's bf16 cast truncates
+            values = round_to(codes * scale, dtype).to(dtype)
+        tile = values
+    return tile, factor
 
 
 @triton.jit
@@ -247,14 +271,17 @@ def _slice_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.con
     for step in tl.static_range(SLICE_STEPS):
         e0 = lo + step * STEP
         e = e0 + tl.arange(0, STEP)
-        w_tile = _weight_tile(w, rows_ok, e0, e, width, x_ptr.dtype.element_ty,
-                              SCALED).to(tl.float32)
+        w_tile, factor = _weight_tile(w, rows_ok, e0, e, width, x_ptr.dtype.element_ty,
+                                      SCALED, True)
+        w_tile = w_tile.to(tl.float32)
         x_row = x_ptr  # advanced by a stride (a plain int where Triton specialises it to 1)
         for j in tl.static_range(TP):
             x = tl.load(x_row + e.to(tl.int64) * x_s1,
                         mask=(e < width) & (e * 0 + j < tokens), other=0.0).to(tl.float32)
-            acc += tl.where(t[:, None] == j, tl.sum(w_tile * x[None, :], axis=1)[None, :],
-                            0.0)
+            sums = tl.sum(w_tile * x[None, :], axis=1)
+            if SCALED:
+                sums *= factor
+            acc += tl.where(t[:, None] == j, sums[None, :], 0.0)
             x_row += x_s0
     return acc
 
@@ -273,7 +300,8 @@ def _tile_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.cons
         e_ok = (e < width)[None, :]
         x = tl.load(x_ptr + t[:, None].to(tl.int64) * x_s0 + e[None, :].to(tl.int64) * x_s1,
                     mask=(t < tokens)[:, None] & e_ok, other=0.0)
-        w_tile = _weight_tile(w, rows_ok, lo + step * STEP, e, width, x.dtype, SCALED)
+        w_tile, _ = _weight_tile(w, rows_ok, lo + step * STEP, e, width, x.dtype, SCALED,
+                                 False)
         if NATIVE and (x.dtype == w_tile.dtype) and (x.dtype != tl.float32):
             acc = tl.dot(x, tl.trans(w_tile), acc)
         elif NATIVE and (x.dtype == tl.bfloat16) and (w_tile.dtype == tl.float32):
