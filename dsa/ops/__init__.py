@@ -7,6 +7,7 @@ Importing this package registers the ops; ``FACES`` maps op names to their three
   ``prefill_meta``, ``dcp``, ``layout``, ``write_slots``: metadata;
 - ``pad``: a live batch padded into a captured bucket's static buffers;
 - ``quant``, ``kcache``: fp8 quantisation, the paged K cache (write, gather);
+- ``block_fp8``: DeepSeek's block-scaled fp8 weights (helpers, not ops);
 - ``prologue``: RoPE, Hadamard and quantisation of q and k in one launch each;
 - ``project``: a few tokens' whole prologue from the hidden state (the three projections,
   then the two above) in two launches;
@@ -17,6 +18,7 @@ Adding an op: see "Adding an op" in ``docs/design.md``.
 """
 
 from dsa.ops import (
+    block_fp8,
     dcp,
     decode_fused,
     decode_meta,
@@ -35,6 +37,7 @@ from dsa.ops._registry import FACES
 
 __all__ = [
     "FACES",
+    "block_fp8",
     "dcp",
     "decode_fused",
     "decode_meta",
