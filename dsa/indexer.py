@@ -86,7 +86,8 @@ class Indexer(nn.Module):
     from a checkpoint as shipped, fp8 block-scaled weights included (``load_checkpoint``).
     ``fp8_weights``: ``wq_b`` and ``wk`` stay as DeepSeek ships them, fp8 e4m3 with an fp32
     ``weight_scale_inv`` per 128x128 block (half the bytes a decode step reads for them);
-    the layer computes what it computes on them dequantised to ``dtype``, bit for bit.
+    the layer computes what it computes on them dequantised to ``dtype`` (bit for bit on
+    the CPU; on the GPU its kernels sum in another order, within their rounding).
     """
 
     def __init__(
