@@ -14,8 +14,8 @@ wk_scale)`` → ``(q_fp8 [T, H, D], head_weights [T, H])``, and the step's K wri
 
 ``wq_b`` and ``wk`` are τ, or fp8 e4m3 with their block scales (``wq_b_scale``,
 ``wk_scale``) as DeepSeek ships them: the op then computes on the weights dequantised to τ
-(``block_fp8``), bit for bit what it computes given those, and its kernels read half the
-bytes.
+(``block_fp8``), and its kernels read half the bytes (the CPU face gives the dequantised
+weights' outputs bit for bit; the kernels sum fp8 tiles in another order than 16-bit ones).
 
 A decode step multiplies a few tokens by three weight matrices (28 MB at V3.2's sizes, 15
 with fp8 ``wq_b`` and ``wk``): what it costs is reading them once. On CUDA, up to
