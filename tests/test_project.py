@@ -101,11 +101,15 @@ def assert_faces_close(got: tuple, want: tuple) -> None:
 
 
 def check_project(face, tokens, width, q_width, heads, head_dim, rope_div, dtype, hadamard,
-                  ue8m0, seed):
+                  ue8m0, weights, seed):
+    """``weights``: ``wq_b`` / ``wk`` in the layer's dtype, or fp8 blocks with general or
+    power-of-two scales (against the chain of their dequantised values)."""
     args = project_case(seed, tokens, width, q_width, heads, head_dim, dtype,
                         head_dim // rope_div, hadamard, ue8m0)
+    if weights != "dtype":
+        args, dequantised = fp8_weights(args, ue8m0=weights == "fp8 pow2")
     got = run_project(face, args)
-    want = the_chain(args)
+    want = the_chain(args if weights == "dtype" else dequantised)
     if face == "cpu":
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
@@ -118,7 +122,8 @@ _SIZES = {"width": st.integers(1, 700), "q_width": st.integers(1, 600),
           "heads": st.sampled_from([1, 3, 8]), "head_dim": st.sampled_from([16, 32, 64]),
           "rope_div": st.sampled_from([1, 2, 4]),
           "dtype": st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
-          "hadamard": st.booleans(), "ue8m0": st.booleans(), "seed": st.integers(0, 2**31)}
+          "hadamard": st.booleans(), "ue8m0": st.booleans(),
+          "weights": st.sampled_from(["dtype", "fp8", "fp8 pow2"]), "seed": st.integers(0, 2**31)}
 test_project_cpu, test_project_kernel = face_tests(
     check_project, {"tokens": st.integers(0, 9), **_SIZES},
     {"tokens": st.integers(0, SMALL_TOKENS + 5), **_SIZES})
@@ -127,13 +132,14 @@ test_project_cpu, test_project_kernel = face_tests(
 @pytest.mark.interpret
 @pytest.mark.parametrize("tokens", [37, 130])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_project_token_tiles(tokens, dtype):
+@pytest.mark.parametrize("weights", ["dtype", "fp8 pow2"])
+def test_project_token_tiles(tokens, dtype, weights):
     """Matrix products over tiles of tokens (130: two tiles, the second of 2 tokens), the
-    q_lora dim in two slices."""
+    q_lora dim in two slices; 16-bit or fp8 weights."""
     if HAS_CUDA:
         pytest.skip("the kernel face on CUDA tensors: test_project_gpu")
     assert project.partials_plan(tokens).dot
-    check_project("kernel", tokens, 700, 1000, 3, 32, 2, dtype, True, False, tokens)
+    check_project("kernel", tokens, 700, 1000, 3, 32, 2, dtype, True, False, weights, tokens)
 
 
 @pytest.mark.parametrize("face", ["cpu", pytest.param("kernel", marks=pytest.mark.interpret)])
