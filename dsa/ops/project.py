@@ -221,11 +221,14 @@ def _project_quantize_cpu(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Te
 
 
 @triton.jit
-def _power_of_two(x):
-    """Whether fp32 ``x`` is a normal power of two."""
-    bits = x.to(tl.int32, bitcast=True)
+def _exact_scale(scale, dtype: tl.constexpr):
+    """Whether every fp8 code times fp32 ``scale`` is exact in fp32 and in ``dtype``: a power
+    of two from 2**-117 (a code's smallest magnitude, 2**-9, times it stays normal) to
+    2**127, and ``dtype`` bf16 or fp32 (fp32's exponent range; fp16's is narrower)."""
+    bits = scale.to(tl.int32, bitcast=True)
     exponent = (bits >> 23) & 0xFF
-    return ((bits & 0x7FFFFF) == 0) & (exponent > 0) & (exponent < 255)
+    return ((bits & 0x7FFFFF) == 0) & (exponent >= 10) & (exponent < 255) & (
+        dtype != tl.float16)
 
 
 @triton.jit
@@ -234,9 +237,10 @@ def _weight_tile(w, rows_ok, e0, e, width, dtype: tl.constexpr, SCALED: tl.const
     """(``w[rows, e]``, 0 where masked; the factor of its products' sums). ``w``: (row
     pointers, their column stride, the first row, the scales' pointer and strides); ``e0``:
     ``e``'s first. SCALED: fp8 codes times their block's scale (the rows and ``e`` lie in
-    one block) rounded to ``dtype``; where the scale is a power of two (V3.1+ checkpoints)
-    the products are exact, so with SCALE_SUMS the fp32 codes come with the scale as the
-    factor (the sums scaled instead, exactly), else 1."""
+    one block) rounded to ``dtype``; where those products are exact (:func:`_exact_scale`:
+    power-of-two scales, V3.1+ checkpoints) no rounding is needed, and with SCALE_SUMS the
+    fp32 codes come with the scale as the factor (the sums scaled instead: exact unless a
+    product with the activations falls below fp32's normal range), else 1."""
     w_rows, w_s1, row0, s_ptr, s_s0, s_s1 = w
     tile = tl.load(w_rows[:, None] + e[None, :].to(tl.int64) * w_s1,
                    mask=rows_ok[:, None] & (e < width)[None, :], other=0.0)
@@ -245,13 +249,14 @@ def _weight_tile(w, rows_ok, e0, e, width, dtype: tl.constexpr, SCALED: tl.const
         e0 = tl.minimum(e0, width - 1)  # past the width: any block's scale, the codes are 0
         scale = tl.load(s_ptr + (row0 // _BLOCK) * s_s0 + (e0 // _BLOCK) * s_s1)
         codes = tile.to(tl.float32)
+        exact = _exact_scale(scale, dtype)
         if SCALE_SUMS:
-            if _power_of_two(scale):
+            if exact:
                 values = codes
                 factor = scale
             else:
                 values = round_to(codes * scale, dtype)
-        elif _power_of_two(scale):
+        elif exact:
             values = (codes * scale).to(dtype)
         else:  # round_to: the interpreter's bf16 cast truncates
             values = round_to(codes * scale, dtype).to(dtype)
