@@ -87,7 +87,9 @@ class Indexer(nn.Module):
     ``fp8_weights``: ``wq_b`` and ``wk`` stay as DeepSeek ships them, fp8 e4m3 with an fp32
     ``weight_scale_inv`` per 128x128 block (half the bytes a decode step reads for them);
     the layer computes what it computes on them dequantised to ``dtype`` (bit for bit on
-    the CPU; on the GPU its kernels sum in another order, within their rounding).
+    the CPU; on the GPU its kernels sum in another order, within their rounding). On an
+    H200 this pays for one-token steps (a layer step at (1, 4K): 30.9 against 32.5 µs) and
+    costs 1.6-4.3 µs at 64-128 tokens a step (the matrix products dequantise each element).
     """
 
     def __init__(
