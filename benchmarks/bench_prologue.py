@@ -11,8 +11,8 @@ and as the two fused ops (``rope_hadamard_quantize_q``,
 ``rope_hadamard_quantize_and_cache_k``). Device µs from CUDA-graph replays (10 calls a
 graph), the kernels one call launches (profiler), and the bytes floor (inputs read, outputs
 written, at the measured copy bandwidth). Prints one table; with ``--out``, appends it.
-``--tiles``: the q and k kernels alone at small T over rows a program and warps, the
-defaults (``row_tile``, ``tile_warps``) marked.
+``--tiles``: the q and k kernels alone by T over rows a program and warps (µs after 256 MB
+written over, and warm), the defaults marked.
 """
 
 from __future__ import annotations
@@ -24,17 +24,26 @@ import sys
 import torch
 
 from dsa.ops._launch import row_tile, tile_warps
-from dsa.ops.prologue import k_prologue_triton, q_prologue_triton
+from dsa.ops.prologue import K_TOKENS, Q_ROWS, k_prologue_triton, q_prologue_triton
 from dsa.rope import rope_table
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _report import add_row, bench_parser, copy_bandwidth, graph_us, markdown_table, publish, report  # noqa: E402
+from _report import (  # noqa: E402
+    add_row,
+    bench_parser,
+    copy_bandwidth,
+    graph_us,
+    kernel_span_us,
+    markdown_table,
+    publish,
+    report,
+)
 from unfused import hadamard_matrix, unfused_prologue  # noqa: E402
 
 TOKENS = (1, 64, 128)
-TILE_TOKENS, TILE_ROWS, TILE_WARPS = (1, 4, 64), (1, 2, 4, 8, 16), (1, 2, 4)
+TILE_TOKENS, TILE_ROWS, TILE_WARPS = (1, 64, 512, 4096), (1, 2, 4, 8, 16), (1, 2, 4)
 H, D, ROPE_DIM, BS, MAX_LEN = 64, 128, 64, 64, 131072
 ops = torch.ops.dsa
 
@@ -91,25 +100,25 @@ def bench_tokens(num_tokens: int, bandwidth: float) -> list[object]:
 
 def sweep_tiles() -> None:
     """Prints µs of the q and k kernels by T, rows a program and warps (* the default)."""
-    print("T | kernel | rows a program | warps | µs")
+    print("T | kernel | rows a program | warps | µs flushed | µs warm")
     for num_tokens in TILE_TOKENS:
         q, k, weights, cache, slots, cos_sin, positions = prologue_inputs(num_tokens)
         q_fp8, head_weights = ops.rope_hadamard_quantize_q(q, weights, cos_sin, positions)
         rotation = (cos_sin, positions, True, False)
         kernels = {
-            "q": (num_tokens * H, "block_r",
+            "q": (min(Q_ROWS, row_tile(num_tokens * H, D)), "block_r",
                   functools.partial(q_prologue_triton, q, weights, *rotation, q_fp8, head_weights)),
-            "k": (num_tokens, "block_t",
+            "k": (min(K_TOKENS, row_tile(num_tokens, D)), "block_t",
                   functools.partial(k_prologue_triton, k, cache, slots, *rotation)),
         }
-        for name, (rows, block_arg, kernel) in kernels.items():
-            default = (row_tile(rows, D), tile_warps(row_tile(rows, D), D))
+        for name, (default_block, block_arg, kernel) in kernels.items():
+            default = (default_block, tile_warps(default_block, D))
             for block in TILE_ROWS:
                 for warps in TILE_WARPS:
                     call = functools.partial(kernel, **{block_arg: block}, num_warps=warps)
                     mark = "*" if (block, warps) == default else ""
                     print(f"{num_tokens} | {name} | {block}{mark} | {warps} | "
-                          f"{graph_us(call):.2f}", flush=True)
+                          f"{kernel_span_us(call):.2f} | {graph_us(call):.2f}", flush=True)
 
 
 def main() -> None:
