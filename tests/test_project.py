@@ -100,6 +100,13 @@ def assert_faces_close(got: tuple, want: tuple) -> None:
     torch.testing.assert_close(scales[written], scales_want[written], rtol=2.0**-6, atol=0)
 
 
+def assert_same_outputs(got: tuple, want: tuple) -> None:
+    """Outputs equal bit for bit (fp8 ones compared as bytes)."""
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
 def check_project(face, tokens, width, q_width, heads, head_dim, rope_div, dtype, hadamard,
                   ue8m0, weights, seed):
     """``weights``: ``wq_b`` / ``wk`` in the layer's dtype, or fp8 blocks with general or
@@ -111,9 +118,7 @@ def check_project(face, tokens, width, q_width, heads, head_dim, rope_div, dtype
     got = run_project(face, args)
     want = the_chain(args if weights == "dtype" else dequantised)
     if face == "cpu":
-        for a, b in zip(got, want, strict=True):
-            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+        assert_same_outputs(got, want)
     else:
         assert_faces_close(got, want)
 
@@ -159,8 +164,7 @@ def test_project_strided_inputs(face):
     got = run_project(face, strided_args)
     want = the_chain(args)
     if face == "cpu":
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                   for a, b in zip(got, want, strict=True))
+        assert_same_outputs(got, want)
     else:
         assert_faces_close(got, want)
 
@@ -207,12 +211,6 @@ def fp8_weights(args: tuple, ue8m0: bool) -> tuple[tuple, tuple]:
                    block_fp8.dequantize(wk, wk_scale, dtype))
     return ((*args[:2], wq_b, wk, *args[4:], wq_b_scale, wk_scale),
             (*args[:2], *dequantised, *args[4:]))
-
-
-def assert_same_outputs(got: tuple, want: tuple) -> None:
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
 
 
 def test_partial_sums_stay_inside_weight_blocks():
