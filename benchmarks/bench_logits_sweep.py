@@ -51,7 +51,7 @@ SWEEP_SHAPES = [(1, 1, 4096), (1, 1, 65536), (8, 1, 32768), (64, 1, 65536), (128
                 (64, 2, 32768), (64, 3, 32768), (64, 4, 16384), (8, 4, 131072),
                 (1, 4, 1048576), (256, 1, 8192)]
 CHECK_SHAPES = [(8, 2, 8229), (3, 4, 3001)]  # ragged tails
-# (tile, num_warps) x num_stages x tiles_per_program
+# (tile, num_warps) x num_stages x tiles_per_program (x split rows x key scales ahead)
 TILE_WARPS = [(64, 4), (64, 8), (128, 8)]
 STAGES = [2, 3, 4]
 TILES_PER_PROGRAM = [1, 2, 4, 8, 16, 32, 64]
@@ -220,8 +220,8 @@ def run_table(out: str | None) -> None:
 def candidates(next_n: int, context: int) -> list[PagedLogitsConfig]:
     configs = []
     split_options = (False, True) if 1 < next_n <= SPLIT_ROWS_MAX_NEXT_N else (False,)
-    for (tile, warps), stages, split_rows in itertools.product(TILE_WARPS, STAGES,
-                                                                split_options):
+    for (tile, warps), stages, split_rows, scales_ahead in itertools.product(
+            TILE_WARPS, STAGES, split_options, (False, True)):
         tiles = -(-context // tile)
         seen = set()
         for per_program in TILES_PER_PROGRAM:
@@ -229,7 +229,8 @@ def candidates(next_n: int, context: int) -> list[PagedLogitsConfig]:
             if per_program > tiles or splits in seen:
                 continue
             seen.add(splits)
-            configs.append(PagedLogitsConfig(tile, per_program, warps, stages, split_rows))
+            configs.append(PagedLogitsConfig(tile, per_program, warps, stages, split_rows,
+                                             scales_ahead))
     return configs
 
 

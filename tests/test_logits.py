@@ -154,10 +154,10 @@ def test_paged_logits_invalid_blocks_are_masked(face, next_n, block_size, max_le
 @pytest.mark.parametrize(
     "config",
     [PagedLogitsConfig(tile=16, tiles_per_program=3, num_warps=2, num_stages=1),
-     PagedLogitsConfig(tile=32, tiles_per_program=1),
+     PagedLogitsConfig(tile=32, tiles_per_program=1, scales_ahead=True),
      PagedLogitsConfig(tile=128, tiles_per_program=2, num_warps=8, num_stages=4),
      PagedLogitsConfig(tile=16, tiles_per_program=2, num_warps=2, num_stages=1,
-                       split_rows=True)],
+                       split_rows=True, scales_ahead=True)],
 )
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4])
 def test_paged_logits_triton_configs(config, next_n):
@@ -240,9 +240,9 @@ def test_paged_chooser_auto_rule(monkeypatch):
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4, 5])
 def test_paged_default_config_by_next_n(next_n):
     config = paged.paged_logits_config(64, next_n, 64, 65536)
-    split_rows, warps, stages = paged.PAGED_LAUNCH[min(next_n, 4)]
-    assert (config.split_rows, config.num_warps, config.num_stages) == (
-        split_rows and next_n <= paged.SPLIT_ROWS_MAX_NEXT_N, warps, stages)
+    split_rows, warps, stages, scales_ahead = paged.PAGED_LAUNCH[min(next_n, 4)]
+    assert (config.split_rows, config.num_warps, config.num_stages, config.scales_ahead) == (
+        split_rows and next_n <= paged.SPLIT_ROWS_MAX_NEXT_N, warps, stages, scales_ahead)
     assert (config.tile, config.tiles_per_program) == (64, 16)
     assert paged.paged_logits_config(1, next_n, 64, 4096).tiles_per_program == 1
 

@@ -252,15 +252,17 @@ def test_auto_falls_back_to_triton(batch, next_n, heads, head_dim):
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4])
 def test_triton_paged_logits_configs_agree(next_n):
     """The default launch and others (tiles across blocks, several tiles per program, other
-    warps and stages) give the same logits and the same -inf mask."""
+    warps and stages, key scales read a tile ahead or not) give the same logits and the same
+    -inf mask."""
     case = Decode(10, 6, next_n, 5000)
     want = torch.ops.dsa.paged_mqa_logits(*case.inputs, case.max_len)
     valid = case.valid()
     for config in (PagedLogitsConfig(tile=128, tiles_per_program=3, num_warps=8, num_stages=3),
-                   PagedLogitsConfig(tile=32, tiles_per_program=5, num_warps=4, num_stages=2),
+                   PagedLogitsConfig(tile=32, tiles_per_program=5, num_warps=4, num_stages=2,
+                                     scales_ahead=True),
                    PagedLogitsConfig(tile=64, tiles_per_program=64, num_warps=8, num_stages=4),
                    PagedLogitsConfig(tile=64, tiles_per_program=7, num_warps=4, num_stages=4,
-                                     split_rows=True),
+                                     split_rows=True, scales_ahead=True),
                    PagedLogitsConfig(tile=128, tiles_per_program=2, num_warps=8, num_stages=3,
                                      split_rows=True)):
         got = paged_logits_triton(*case.inputs, case.max_len, config=config)

@@ -116,10 +116,14 @@ def partials_plan(tokens: int, fp8_q: bool = False) -> PartialsPlan:
     (77f4233, one call after an L2 flush; BENCHMARKS.md, "Session of 2026-12-01, eighth"):
     up to 64 tokens one tile of 4 warps, the q_lora dim in two slices (21.2 against 24.9
     us at T = 8, 24.3 against 28.8 at T = 64); above, tiles of 128 tokens in 8 warps, the
-    q_lora dim whole (33.8 against 34.6 us at T = 128, 49.3 against 51.1 at T = 256)."""
-    if tokens <= SMALL_TOKENS:  # fp8 wq_b: as many bytes per step in twice the columns
+    q_lora dim whole (33.8 against 34.6 us at T = 128, 49.3 against 51.1 at T = 256).
+    fp8 ``wq_b`` at one token: as many bytes a step in twice the columns, and q_lora slices
+    of one step (the op in a graph, flushed: 10.6 / 10.7 against 11.3 / 11.4 us in two runs;
+    BENCHMARKS.md, "fourteenth")."""
+    if tokens <= SMALL_TOKENS:
         return PartialsPlan(triton.next_power_of_2(tokens), False, STEP, HIDDEN_STEPS,
-                            Q_STEPS, 2 * COLS if fp8_q else COLS, PARTIALS_WARPS)
+                            1 if fp8_q else Q_STEPS, 2 * COLS if fp8_q else COLS,
+                            PARTIALS_WARPS)
     if tokens <= 64:
         return PartialsPlan(max(16, triton.next_power_of_2(tokens)), True, TILE_STEP,
                             TILE_HIDDEN_STEPS, 12, TILE_Q_COLS, 4)

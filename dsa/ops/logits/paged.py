@@ -50,16 +50,24 @@ class PagedLogitsConfig:
     """One ``[tile, heads]`` MMA per query row of the request (next_n <= 4; the K tile is
     still read once for all of them) instead of one ``[tile, next_n * heads]`` MMA with
     next_n padded to a power of two."""
+    scales_ahead: bool = False
+    """Read a tile's key scales one tile ahead and carry them, like its block ids (they lie
+    outside the K tile's copy); costs registers."""
 
 
-# (split_rows, num_warps, num_stages) by next_n, from the H200 runs of
+# (split_rows, num_warps, num_stages, scales_ahead) by next_n, from the H200 runs of
 # benchmarks/bench_logits_sweep.py (H 64, D 128, tile 64, 1M and 4M keys, L2 cold; BENCHMARKS.md,
 # "Session of 2026-12-01, sixth"). next_n 1: 2 stages, 0.94-0.99x DeepGEMM (4 stages:
 # 0.89-0.92x). next_n 2 and 3: one MMA per query row (next_n 3 is not padded to 4 rows):
 # 64.4 against 69.8 us at 1M keys (next_n 2), 316.6 against 351.9 at 4M (next_n 3). next_n 4:
-# one [64, 256] MMA with 4 stages (split rows: 410 against 368 us at 4M). Fixed, not autotuned:
-# the interpreter cannot autotune and a captured graph needs the launch decided before capture.
-PAGED_LAUNCH = {1: (False, 4, 2), 2: (True, 4, 3), 3: (True, 4, 3), 4: (False, 4, 4)}
+# one [64, 256] MMA with 4 stages (split rows: 410 against 368 us at 4M). Key scales a tile
+# ahead (4M keys, 64x65536 / 128x32768; "fourteenth"): next_n 1 155.5 / 156.7 against 161.0 /
+# 161.8 us, next_n 2 209.8 / 213.4 against 225.6 / 217.6; next_n 3 315.7 / 322.0 against
+# 296.3 / 295.5 (168 -> 176 registers) and next_n 4 354.9 / 377.6 against 348.9 / 367.2, so
+# not there. Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs
+# the launch decided before capture.
+PAGED_LAUNCH = {1: (False, 4, 2, True), 2: (True, 4, 3, True), 3: (True, 4, 3, False),
+                4: (False, 4, 4, False)}
 SPLIT_ROWS_MAX_NEXT_N = 4
 
 
@@ -68,16 +76,17 @@ def paged_logits_config(batch: int, next_n: int, num_heads: int,
     """Default launch parameters for a shape: 64-token tiles (one cache block of 64 per
     tile), about 512 programs or more, each taking at most 16 tiles of its request's context
     (so one long request still spreads over every SM), and the MMA shape, warps and stages
-    from ``PAGED_LAUNCH`` (next_n past 4: next_n 4's)."""
+    and key-scale prefetch from ``PAGED_LAUNCH`` (next_n past 4: next_n 4's)."""
     tile = 64
     tiles = batch * max(1, triton.cdiv(max_context_len, tile))
-    split_rows, warps, stages = PAGED_LAUNCH[min(max(next_n, 1), 4)]
+    split_rows, warps, stages, scales_ahead = PAGED_LAUNCH[min(max(next_n, 1), 4)]
     return PagedLogitsConfig(
         tile=tile,
         tiles_per_program=max(1, min(16, tiles // 512)),
         num_warps=warps,
         num_stages=stages,
         split_rows=split_rows and next_n <= SPLIT_ROWS_MAX_NEXT_N,
+        scales_ahead=scales_ahead,
     )
 
 
@@ -193,7 +202,8 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
                          N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
                          NP: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr,
-                         TILE: tl.constexpr, SPLIT_ROWS: tl.constexpr):
+                         TILE: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+                         SCALES_AHEAD: tl.constexpr):
     split = tl.program_id(0)
     b = tl.program_id(1)
     # The request's next_n rows: context lengths (clamped to the output width).
@@ -232,20 +242,28 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
 
     # Block ids are read one tile ahead and carried: K addresses then do not wait on a load
     # issued in their own iteration, and the pipeliner keeps num_stages - 1 K tiles in flight.
+    # With SCALES_AHEAD a tile's key scales too (a separate line of its block, not in the K
+    # copy): they arrive while the previous tile's MMAs run.
     bt_row = bt_ptr + b.to(tl.int64) * bt_stride
     blk_next, ok_next = _tile_blocks(bt_row, t_begin, longest, width, num_blocks, cols, BS, TILE)
+    if SCALES_AHEAD:
+        scale_next = tl.load(scale_ptr + blk_next * SCALE_STRIDE + (t_begin * TILE + cols) % BS)
     for t in range(t_begin, t_mid):
         pos = t * TILE + cols
         blk, ok = blk_next, ok_next
         blk_next, ok_next = _tile_blocks(bt_row, t + 1, longest, width, num_blocks, cols, BS,
                                          TILE)
         off = pos % BS
+        if SCALES_AHEAD:
+            k_scale = scale_next
+            scale_next = tl.load(scale_ptr + blk_next * SCALE_STRIDE + (pos + TILE) % BS)
+        else:
+            k_scale = tl.load(scale_ptr + blk * SCALE_STRIDE + off)
         src = blk * VALUE_STRIDE + off * D
         if BLOCK_D == D:
             k = tl.load(value_ptr + src[:, None] + d[None, :])
         else:
             k = tl.load(value_ptr + src[:, None] + d[None, :], mask=(d < D)[None, :], other=0.0)
-        k_scale = tl.load(scale_ptr + blk * SCALE_STRIDE + off)
         if SPLIT_ROWS:
             # The rows' logits joined into one [TILE, NP] tile (rows past N -inf, not
             # stored): one layout conversion for the store instead of one per row.
@@ -298,7 +316,8 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
         N=next_n, H=num_heads, D=head_dim, BS=block_size, VALUE_STRIDE=values.stride(0),
         SCALE_STRIDE=scales.stride(0), NP=np_, HP=hp,
         BLOCK_D=max(32, triton.next_power_of_2(head_dim)), TILE=config.tile,
-        SPLIT_ROWS=config.split_rows, num_warps=config.num_warps, num_stages=config.num_stages,
+        SPLIT_ROWS=config.split_rows, SCALES_AHEAD=config.scales_ahead,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
