@@ -265,7 +265,7 @@ def run_sweep(top: int) -> None:
     runnable = set(check_configs(sorted(
         {c for cs in per_shape.values() for c in cs},
         key=lambda c: (c.tile, c.num_warps, c.num_stages, c.tiles_per_program,
-                       c.split_rows))))
+                       c.split_rows, c.scales_ahead))))
     per_shape = {shape: [c for c in cs if c in runnable] for shape, cs in per_shape.items()}
     dg = deepgemm.deepgemm_paged_supported(device, HEADS, HEAD_DIM, BLOCK_SIZE, 1)
     print(f"device {torch.cuda.get_device_name()}, DeepGEMM {'yes' if dg else 'no'}, "
