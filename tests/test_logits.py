@@ -224,9 +224,11 @@ def test_paged_chooser_auto_rule(monkeypatch):
     cuda = torch.device("cuda")
     choose = functools.partial(paged.paged_backend, "auto", cuda, 64, 128, 64)
     assert [choose(n) for n in (1, 2, 3, 4)] == ["deepgemm"] * 2 + ["triton"] * 2
-    # the H200 shapes: 1x4K, 1x64K, 8x32K to dsa's kernel; 64x16K, 1x1M to DeepGEMM
-    assert [choose(1, b, n) for b, n in ((1, 4096), (1, 65536), (8, 32768), (64, 16384),
-                                         (1, 2**20))] == ["triton"] * 3 + ["deepgemm"] * 2
+    # the H200 shapes: next_n 1 up to 1M keys to dsa's kernel, 4M to DeepGEMM; next_n 2
+    # up to 256K keys
+    assert [choose(1, b, n) for b, n in ((1, 4096), (8, 32768), (64, 16384), (1, 2**20),
+                                         (8, 2**17 + 64), (64, 65536))] == (
+        ["triton"] * 4 + ["deepgemm"] * 2)
     assert [choose(2, b, n) for b, n in ((1, 4096), (1, 65536), (8, 32768), (8, 65536),
                                          (1, 2**20))] == ["triton"] * 3 + ["deepgemm"] * 2
     assert [choose(1, b, n) for b, n in ((1, None), (None, 4096))] == ["deepgemm"] * 2
