@@ -314,7 +314,7 @@ def test_decode_metadata_auto_backend_by_bucket(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(dsa.meta.decode, "paged_backend", spy)
-    for reqs, max_model_len, dcp in ((8, 32768, 1), (64, 16384, 1), (64, 16384, 4)):
+    for reqs, max_model_len, dcp in ((8, 32768, 1), (64, 32768, 1), (64, 32768, 4)):
         cfg = dsa.IndexerConfig(max_num_reqs=reqs, max_num_batched_tokens=reqs,
                                 max_model_len=max_model_len, num_blocks=4, dcp_world=dcp)
         batch = Batch(torch.arange(reqs + 1, dtype=torch.int32),
@@ -322,6 +322,6 @@ def test_decode_metadata_auto_backend_by_bucket(monkeypatch):
                           torch.zeros(reqs, table_width(cfg), dtype=torch.int32),
                           torch.zeros(reqs, dtype=torch.long), torch.zeros(reqs, dtype=torch.long))
         build_decode_metadata(cfg, batch)
-    assert seen == [(1, 8, 32768), (1, 64, 16384), (1, 64, 4096)]
+    assert seen == [(1, 8, 32768), (1, 64, 32768), (1, 64, 8192)]
     assert [real("auto", torch.device("cuda"), 64, 128, 64, *args) for args in seen] == [
         "triton", "deepgemm", "triton"]
