@@ -106,9 +106,9 @@ def sweep_tiles() -> None:
         q_fp8, head_weights = ops.rope_hadamard_quantize_q(q, weights, cos_sin, positions)
         rotation = (cos_sin, positions, True, False)
         kernels = {
-            "q": (min(Q_ROWS, row_tile(num_tokens * H, D)), "block_r",
+            "q": (row_tile(num_tokens * H, D, max_rows=Q_ROWS), "block_r",
                   functools.partial(q_prologue_triton, q, weights, *rotation, q_fp8, head_weights)),
-            "k": (min(K_TOKENS, row_tile(num_tokens, D)), "block_t",
+            "k": (row_tile(num_tokens, D, max_rows=K_TOKENS), "block_t",
                   functools.partial(k_prologue_triton, k, cache, slots, *rotation)),
         }
         for name, (default_block, block_arg, kernel) in kernels.items():

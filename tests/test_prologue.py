@@ -211,6 +211,7 @@ def test_row_tile_spreads_small_launches():
         1, 1, 2, 8, 16, 16, 16]
     assert [tile_warps(r, 128) for r in (1, 2, 4, 8, 16)] == [1, 1, 1, 2, 4]
     assert row_tile(10**6, 8) == 256 and tile_warps(256, 8) == 4
+    assert [row_tile(n, 128, max_rows=4) for n in (1, 256, 10**6)] == [1, 2, 4]
 
 
 @pytest.mark.gpu

@@ -22,12 +22,15 @@ def block_for(n: int, cap: int = 1024) -> int:
     return min(cap, triton.next_power_of_2(max(n, 1)))
 
 
-def row_tile(num_rows: int, row_block: int, programs: int = 128) -> int:
+def row_tile(num_rows: int, row_block: int, programs: int = 128,
+             max_rows: int | None = None) -> int:
     """Rows a program for a kernel of independent rows of ``row_block`` (a power of two)
-    elements: up to 2048 elements a program (16 rows of 128), fewer where that would make
-    fewer than ``programs`` programs, down to one row: a small, latency-bound launch
-    spreads over more SMs in programs that each finish sooner."""
+    elements: up to 2048 elements a program (16 rows of 128) and ``max_rows`` rows, fewer
+    where that would make fewer than ``programs`` programs, down to one row: a small,
+    latency-bound launch spreads over more SMs in programs that each finish sooner."""
     most = max(1, 2048 // row_block)
+    if max_rows is not None:
+        most = min(most, max_rows)
     return min(most, 1 << max(0, (num_rows // programs).bit_length() - 1))
 
 

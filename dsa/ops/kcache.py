@@ -173,19 +173,19 @@ def _cache_write_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, value_ptr, scale_
 
 def launch_k_rows(kernel: Any, k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, *args: Any,
                   block_t: int | None = None, num_warps: int | None = None,
-                  **constexprs: Any) -> None:
+                  max_block_t: int | None = None, **constexprs: Any) -> None:
     """Launches a kernel writing k rows to the cache with ``store_k_rows``: ``kernel(k,
     k strides, slots, value bytes, scales, num_tokens, num_slots, *args)`` with the
     layout's, the block's and ``constexprs``; ``block_t`` tokens a program (default:
-    ``row_tile``: 16 of D = 128, down to 1 for a few tokens) in ``num_warps`` warps
-    (default: ``tile_warps``). Nothing with no tokens."""
+    ``row_tile``: 16 of D = 128 or ``max_block_t``, down to 1 for a few tokens) in
+    ``num_warps`` warps (default: ``tile_warps``). Nothing with no tokens."""
     num_tokens, head_dim = k.shape
     if num_tokens == 0:
         return
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
     block_d = triton.next_power_of_2(head_dim)
-    block_t = block_t or row_tile(num_tokens, block_d)
+    block_t = block_t or row_tile(num_tokens, block_d, max_rows=max_block_t)
     launch(kernel, (triton.cdiv(num_tokens, block_t),),
         k, k.stride(0), k.stride(1), slot_mapping, values.view(torch.uint8), scales, num_tokens,
         num_blocks * block_size, *args, VALUE_STRIDE=values.stride(0),

@@ -563,7 +563,7 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
     num_blocks, block_size = scales.shape
     block_d = triton.next_power_of_2(n.head_dim)
     rows = n.tokens * n.heads
-    block_r = min(PROLOGUE_ROWS, row_tile(rows, block_d))
+    block_r = row_tile(rows, block_d, max_rows=PROLOGUE_ROWS)
     q_programs = triton.cdiv(rows, block_r)
     launch(_prologue_kernel, (q_programs + n.tokens,),
            hpart, qpart, n.tokens, q_programs, norm_weight, norm_bias, eps,

@@ -229,7 +229,7 @@ def q_prologue_triton(q: Tensor, weights: Tensor, cos_sin: Tensor, positions: Te
     if num_rows == 0:
         return
     block_d = triton.next_power_of_2(head_dim)
-    block_r = block_r or min(Q_ROWS, row_tile(num_rows, block_d))
+    block_r = block_r or row_tile(num_rows, block_d, max_rows=Q_ROWS)
     _q_prologue_kernel[(triton.cdiv(num_rows, block_r),)](
         q, weights, weights.stride(0), weights.stride(1), cos_sin, positions,
         cos_sin.shape[0] - 1, q_fp8.view(torch.uint8), head_weights, num_rows,
@@ -289,10 +289,9 @@ def k_prologue_triton(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, cos_sin
                       block_t: int | None = None, num_warps: int | None = None) -> None:
     """The k kernel, ``block_t`` tokens a program (default: ``row_tile``'s, at most
     K_TOKENS) in ``num_warps`` warps (default: ``tile_warps``)."""
-    block_t = block_t or min(K_TOKENS, row_tile(k.shape[0], triton.next_power_of_2(k.shape[1])))
     launch_k_rows(_k_prologue_kernel, k, kv_cache, slot_mapping, cos_sin, positions,
                   cos_sin.shape[0] - 1, hadamard_scale(k.shape[1], k.dtype), block_t=block_t,
-                  num_warps=num_warps, UE8M0=ue8m0,
+                  num_warps=num_warps, max_block_t=K_TOKENS, UE8M0=ue8m0,
                   **rope_constexprs(k.shape[1], cos_sin, hadamard))
 
 
