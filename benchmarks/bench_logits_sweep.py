@@ -51,7 +51,8 @@ SWEEP_SHAPES = [(1, 1, 4096), (1, 1, 65536), (8, 1, 32768), (64, 1, 65536), (128
                 (64, 2, 32768), (64, 3, 32768), (64, 4, 16384), (8, 4, 131072),
                 (1, 4, 1048576), (256, 1, 8192)]
 CHECK_SHAPES = [(8, 2, 8229), (3, 4, 3001)]  # ragged tails
-# (tile, num_warps) x num_stages x tiles_per_program (x split rows x key scales ahead)
+# (tile, num_warps) x num_stages x tiles_per_program (x split rows x key scales ahead x
+# K by TMA, with or without direct stores)
 TILE_WARPS = [(64, 4), (64, 8), (128, 8)]
 STAGES = [2, 3, 4]
 TILES_PER_PROGRAM = [1, 2, 4, 8, 16, 32, 64]
@@ -160,7 +161,7 @@ def table_row(batch: int, context: int, next_n: int, bandwidth: float, flops: fl
            f"{k_bytes / dg_us / 1e3:.0f}", f"{floor_us / dg_us:.0%}",
            f"{dg_us / triton_us:.2f}", auto,
            f"{'split' if config.split_rows else 'fused'}/{config.tiles_per_program}/"
-           f"{config.num_warps}/{config.num_stages}"]
+           f"{config.num_warps}/{config.num_stages}{'/TMA' if config.tma else ''}"]
     stats = {"next_n": next_n, "goal": batch * context >= GOAL_KEYS,
              "of_floor": bound_us / triton_us, "vs_deepgemm": dg_us / triton_us}
     del inputs
@@ -195,7 +196,7 @@ def run_table(out: str | None) -> None:
     header = ["B", "L", "next_n", "working set MB", "L2", "HBM floor µs", "fp8 compute floor µs",
               "Triton µs", "Triton GB/s", "of HBM floor", "of floor", "DeepGEMM µs",
               "DeepGEMM GB/s", "of HBM floor", "Triton / DeepGEMM throughput", "auto picks",
-              "Triton MMA/tiles/warps/stages"]
+              "Triton MMA/tiles/warps/stages(/TMA)"]
     rows, stats = [], []
     for (batch, context), next_n in itertools.product(TABLE_SHAPES, NEXT_N):
         row, stat = table_row(batch, context, next_n, bandwidth, flops, device)
@@ -220,8 +221,9 @@ def run_table(out: str | None) -> None:
 def candidates(next_n: int, context: int) -> list[PagedLogitsConfig]:
     configs = []
     split_options = (False, True) if 1 < next_n <= SPLIT_ROWS_MAX_NEXT_N else (False,)
-    for (tile, warps), stages, split_rows, scales_ahead in itertools.product(
-            TILE_WARPS, STAGES, split_options, (False, True)):
+    for (tile, warps), stages, split_rows, scales_ahead, (tma, direct) in itertools.product(
+            TILE_WARPS, STAGES, split_options, (False, True),
+            ((False, False), (True, False), (True, True))):
         tiles = -(-context // tile)
         seen = set()
         for per_program in TILES_PER_PROGRAM:
@@ -230,7 +232,7 @@ def candidates(next_n: int, context: int) -> list[PagedLogitsConfig]:
                 continue
             seen.add(splits)
             configs.append(PagedLogitsConfig(tile, per_program, warps, stages, split_rows,
-                                             scales_ahead))
+                                             scales_ahead, tma, direct))
     return configs
 
 
@@ -265,7 +267,7 @@ def run_sweep(top: int) -> None:
     runnable = set(check_configs(sorted(
         {c for cs in per_shape.values() for c in cs},
         key=lambda c: (c.tile, c.num_warps, c.num_stages, c.tiles_per_program,
-                       c.split_rows, c.scales_ahead))))
+                       c.split_rows, c.scales_ahead, c.tma, c.direct_store))))
     per_shape = {shape: [c for c in cs if c in runnable] for shape, cs in per_shape.items()}
     dg = deepgemm.deepgemm_paged_supported(device, HEADS, HEAD_DIM, BLOCK_SIZE, 1)
     print(f"device {torch.cuda.get_device_name()}, DeepGEMM {'yes' if dg else 'no'}, "

@@ -157,7 +157,10 @@ def test_paged_logits_invalid_blocks_are_masked(face, next_n, block_size, max_le
      PagedLogitsConfig(tile=32, tiles_per_program=1, scales_ahead=True),
      PagedLogitsConfig(tile=128, tiles_per_program=2, num_warps=8, num_stages=4),
      PagedLogitsConfig(tile=16, tiles_per_program=2, num_warps=2, num_stages=1,
-                       split_rows=True, scales_ahead=True)],
+                       split_rows=True, scales_ahead=True),
+     PagedLogitsConfig(tile=32, tiles_per_program=3, num_stages=2, tma=True),
+     PagedLogitsConfig(tile=16, tiles_per_program=5, num_warps=2, num_stages=1,
+                       split_rows=True, scales_ahead=True, tma=True, direct_store=True)],
 )
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4])
 def test_paged_logits_triton_configs(config, next_n):
@@ -165,6 +168,20 @@ def test_paged_logits_triton_configs(config, next_n):
     with ref.poisoned_empty():
         out = paged_logits_triton(*on_kernel_device(inputs), max_len, config=config)
     check_logits(to_cpu(out), dequantised, exact)
+
+
+def test_tma_unsupported_reason():
+    """Where the kernel's K copies by TMA run (elsewhere it copies per thread)."""
+    cache = torch.zeros(8, 64, 1, 132, dtype=torch.uint8)
+    assert paged.tma_unsupported_reason(cache, 64) is None
+    assert paged.tma_unsupported_reason(cache, 32) is None
+    assert "do not split" in paged.tma_unsupported_reason(cache, 128)
+    assert "contiguous" in paged.tma_unsupported_reason(cache[1::2], 64)
+    shifted = torch.zeros(cache.numel() + 4, dtype=torch.uint8)[4:].view(cache.shape)
+    assert "aligned" in paged.tma_unsupported_reason(shifted, 64)
+    assert "power of two" in paged.tma_unsupported_reason(
+        torch.zeros(8, 64, 1, 100, dtype=torch.uint8), 64)
+    assert paged.tma_unsupported_reason(torch.zeros(8, 16, 1, 36, dtype=torch.uint8), 16) is None
 
 
 def test_paged_logits_strided_inputs():
@@ -242,9 +259,9 @@ def test_paged_chooser_auto_rule(monkeypatch):
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4, 5])
 def test_paged_default_config_by_next_n(next_n):
     config = paged.paged_logits_config(64, next_n, 64, 65536)
-    split_rows, warps, stages, scales_ahead = paged.PAGED_LAUNCH[min(next_n, 4)]
-    assert (config.split_rows, config.num_warps, config.num_stages, config.scales_ahead) == (
-        split_rows and next_n <= paged.SPLIT_ROWS_MAX_NEXT_N, warps, stages, scales_ahead)
+    launch = paged.PAGED_LAUNCH[min(next_n, 4)]
+    assert paged.PagedLaunch(*(getattr(config, f) for f in paged.PagedLaunch._fields)) == (
+        launch._replace(split_rows=launch.split_rows and next_n <= paged.SPLIT_ROWS_MAX_NEXT_N))
     assert (config.tile, config.tiles_per_program) == (64, 16)
     assert paged.paged_logits_config(1, next_n, 64, 4096).tiles_per_program == 1
 

@@ -5,6 +5,8 @@ each other and against the float64 reference on sampled rows; the choosers
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import reference_compute as ref
@@ -12,7 +14,7 @@ import torch
 from cuda_graphs import capture
 
 from dsa.ops.logits import deepgemm, paged_backend, paged_logits, ragged_logits
-from dsa.ops.logits.paged import PagedLogitsConfig, paged_logits_triton
+from dsa.ops.logits.paged import PagedLogitsConfig, paged_logits_config, paged_logits_triton
 from dsa.ops.logits.ragged import mqa_logits_triton
 from dsa.ops.quant import quantize_rows
 
@@ -260,6 +262,10 @@ def test_triton_paged_logits_configs_agree(next_n):
     for config in (PagedLogitsConfig(tile=128, tiles_per_program=3, num_warps=8, num_stages=3),
                    PagedLogitsConfig(tile=32, tiles_per_program=5, num_warps=4, num_stages=2,
                                      scales_ahead=True),
+                   PagedLogitsConfig(tile=32, tiles_per_program=6, num_warps=4, num_stages=3,
+                                     split_rows=True, tma=True, direct_store=True),
+                   PagedLogitsConfig(tile=64, tiles_per_program=9, num_warps=8, num_stages=2,
+                                     tma=True),
                    PagedLogitsConfig(tile=64, tiles_per_program=64, num_warps=8, num_stages=4),
                    PagedLogitsConfig(tile=64, tiles_per_program=7, num_warps=4, num_stages=4,
                                      split_rows=True, scales_ahead=True),
@@ -268,6 +274,21 @@ def test_triton_paged_logits_configs_agree(next_n):
         got = paged_logits_triton(*case.inputs, case.max_len, config=config)
         assert torch.equal(torch.isneginf(got), ~valid), config
         assert gpu_relative_error(got[valid], want[valid]) < 1e-6, config
+
+
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4])
+def test_triton_paged_logits_tma_and_direct_stores_bitwise(next_n):
+    """K tiles copied by TMA or per thread, logits stored from the MMA's layout or through
+    shared memory: the same bits, the default launch and another tile."""
+    case = Decode(11, 6, next_n, 5000)
+    for base in (paged_logits_config(6, next_n, HEADS, case.max_len),
+                 PagedLogitsConfig(tile=32, tiles_per_program=4, split_rows=next_n > 1)):
+        want = paged_logits_triton(*case.inputs, case.max_len, config=dataclasses.replace(
+            base, tma=False, direct_store=False))
+        for tma, direct_store in ((True, False), (False, True), (True, True)):
+            config = dataclasses.replace(base, tma=tma, direct_store=direct_store)
+            got = paged_logits_triton(*case.inputs, case.max_len, config=config)
+            assert torch.equal(got, want), config
 
 
 def test_cpu_face_matches_triton():

@@ -13,11 +13,13 @@ whose blocks are all inside the cache (``build_decode_metadata`` caps lengths th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsa.ops._checks import (
     INDEX_DTYPES,
@@ -29,7 +31,7 @@ from dsa.ops._checks import (
 )
 from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
-from dsa.ops.kcache import check_kv_cache, kcache_views, padded_block_table
+from dsa.ops.kcache import SCALE_BYTES, check_kv_cache, kcache_views, padded_block_table
 from dsa.ops.logits import deepgemm
 from dsa.ops.logits.common import alloc_logits, choose_backend, fp8_rows, tile_logits
 
@@ -53,21 +55,43 @@ class PagedLogitsConfig:
     scales_ahead: bool = False
     """Read a tile's key scales one tile ahead and carry them, like its block ids (they lie
     outside the K tile's copy); costs registers."""
+    tma: bool = False
+    """Copy K tiles by TMA (Hopper's tensor memory accelerator, one descriptor over the
+    cache's rows of head_dim bytes) instead of per-thread async copies. Taken where it can
+    run (:func:`tma_unsupported_reason`), else ignored."""
+    direct_store: bool = False
+    """Store a tile's logits from the MMA's register layout (``tl.store`` first moves them
+    to a coalesced one through shared memory). CUDA only (inline PTX), else ignored."""
 
 
-# (split_rows, num_warps, num_stages, scales_ahead) by next_n, from the H200 runs of
-# benchmarks/bench_logits_sweep.py (H 64, D 128, tile 64, 1M and 4M keys, L2 cold; BENCHMARKS.md,
-# "Session of 2026-12-01, sixth"). next_n 1: 2 stages, 0.94-0.99x DeepGEMM (4 stages:
-# 0.89-0.92x). next_n 2 and 3: one MMA per query row (next_n 3 is not padded to 4 rows):
-# 64.4 against 69.8 us at 1M keys (next_n 2), 316.6 against 351.9 at 4M (next_n 3). next_n 4:
-# one [64, 256] MMA with 4 stages (split rows: 410 against 368 us at 4M). Key scales a tile
-# ahead (4M keys, 64x65536 / 128x32768; "fourteenth"): next_n 1 155.5 / 156.7 against 161.0 /
-# 161.8 us, next_n 2 209.8 / 213.4 against 225.6 / 217.6; next_n 3 315.7 / 322.0 against
-# 296.3 / 295.5 (168 -> 176 registers) and next_n 4 354.9 / 377.6 against 348.9 / 367.2, so
-# not there. Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs
-# the launch decided before capture.
-PAGED_LAUNCH = {1: (False, 4, 2, True), 2: (True, 4, 3, True), 3: (True, 4, 3, False),
-                4: (False, 4, 4, False)}
+class PagedLaunch(NamedTuple):
+    """The per-next_n part of :func:`paged_logits_config` (fields as in PagedLogitsConfig)."""
+
+    split_rows: bool
+    num_warps: int
+    num_stages: int
+    scales_ahead: bool
+    tma: bool
+    direct_store: bool
+
+
+# By next_n, from the H200 runs of benchmarks/bench_logits_sweep.py (H 64, D 128, tile 64,
+# 1M and 4M keys, L2 cold; BENCHMARKS.md, "Session of 2026-12-01, sixth"). next_n 1: 2
+# stages, 0.94-0.99x DeepGEMM (4 stages: 0.89-0.92x). next_n 2 and 3: one MMA per query row
+# (next_n 3 is not padded to 4 rows): 64.4 against 69.8 us at 1M keys (next_n 2), 316.6
+# against 351.9 at 4M (next_n 3). next_n 4: one [64, 256] MMA with 4 stages (split rows: 410
+# against 368 us at 4M). Key scales a tile ahead (4M keys, 64x65536 / 128x32768;
+# "fourteenth"): next_n 1 155.5 / 156.7 against 161.0 / 161.8 us, next_n 2 209.8 / 213.4
+# against 225.6 / 217.6; next_n 3 315.7 / 322.0 against 296.3 / 295.5 (168 -> 176 registers)
+# and next_n 4 354.9 / 377.6 against 348.9 / 367.2, so not there. K by TMA ("fifteenth",
+# graph-timed, 64 requests of 64K / 16K keys): next_n 1 145.4 / 39.9 against 148.2 / 41.0 us,
+# next_n 2 (4 stages) 196.4 against 215.1 at 64K; next_n 3 with direct stores 138.0 against
+# 154.0 at 32K (148.9 without them). Fixed, not autotuned: the interpreter cannot autotune
+# and a captured graph needs the launch decided before capture.
+PAGED_LAUNCH = {1: PagedLaunch(False, 4, 2, True, True, False),
+                2: PagedLaunch(True, 4, 4, False, True, False),
+                3: PagedLaunch(True, 4, 3, True, True, True),
+                4: PagedLaunch(False, 4, 4, False, True, False)}
 SPLIT_ROWS_MAX_NEXT_N = 4
 
 
@@ -79,15 +103,38 @@ def paged_logits_config(batch: int, next_n: int, num_heads: int,
     and key-scale prefetch from ``PAGED_LAUNCH`` (next_n past 4: next_n 4's)."""
     tile = 64
     tiles = batch * max(1, triton.cdiv(max_context_len, tile))
-    split_rows, warps, stages, scales_ahead = PAGED_LAUNCH[min(max(next_n, 1), 4)]
+    launch = PAGED_LAUNCH[min(max(next_n, 1), 4)]
     return PagedLogitsConfig(
         tile=tile,
         tiles_per_program=max(1, min(16, tiles // 512)),
-        num_warps=warps,
-        num_stages=stages,
-        split_rows=split_rows and next_n <= SPLIT_ROWS_MAX_NEXT_N,
-        scales_ahead=scales_ahead,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        split_rows=launch.split_rows and next_n <= SPLIT_ROWS_MAX_NEXT_N,
+        scales_ahead=launch.scales_ahead,
+        tma=launch.tma,
+        direct_store=launch.direct_store,
     )
+
+
+def tma_unsupported_reason(kv_cache: Tensor, tile: int) -> str | None:
+    """Why the Triton kernel cannot copy this cache's K tiles by TMA (None: it can): TMA
+    needs compute capability 9 or more, a contiguous cache at a 16-byte aligned offset whose
+    rows of head_dim bytes tile every block (values first), tiles within one block, and
+    box sides of at most 256 (head_dim a power of two from 32, the kernel's operand)."""
+    num_blocks, block_size, _, width = kv_cache.shape
+    head_dim = width - SCALE_BYTES
+    if kv_cache.is_cuda and torch.cuda.get_device_capability(kv_cache.device)[0] < 9:
+        return "the GPU has no TMA (compute capability below 9)"
+    if not kv_cache.is_contiguous() or kv_cache.storage_offset() % 16:
+        return "the cache is not contiguous at a 16-byte aligned offset"
+    if not 32 <= head_dim <= 256 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two in [32, 256]"
+    if (block_size * width) % head_dim or block_size % tile or tile > 256:
+        return (f"tiles of {tile} keys do not split blocks of {block_size} into rows of "
+                f"head_dim {head_dim} bytes")
+    if num_blocks * block_size * width // head_dim >= 2**31:
+        return "the cache has 2**31 rows of head_dim bytes or more"
+    return None
 
 
 def _check_paged(op: str, q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
@@ -192,18 +239,30 @@ def _row_logits(k, k_scale, q, w):
     return tl.sum(s, axis=1) * k_scale
 
 
+@triton.jit
+def _store_in_place(ptrs, values, mask):
+    """Masked fp32 store from the values' own layout (one st.global per element and thread
+    holding it): ``tl.store`` first converts a tile to a coalesced layout, through shared
+    memory and a barrier."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r,r", [ptrs, values.to(tl.int32, bitcast=True), mask.to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
 # Runtime ints that vary with the batch stay unspecialised: one compile per config and shape
 # family, not one per context length.
 @triton.jit(do_not_specialize=["bt_stride", "width", "num_blocks", "max_context_len",
                                "tiles_per_program"])
-def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride1, ctx_ptr,
-                         bt_ptr, bt_stride, out_ptr, out_stride, width, num_blocks,
+def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, w_stride1,
+                         ctx_ptr, bt_ptr, bt_stride, out_ptr, out_stride, width, num_blocks,
                          max_context_len, tiles_per_program,
                          N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
                          NP: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr,
                          TILE: tl.constexpr, SPLIT_ROWS: tl.constexpr,
-                         SCALES_AHEAD: tl.constexpr):
+                         SCALES_AHEAD: tl.constexpr, TMA: tl.constexpr,
+                         DIRECT_STORE: tl.constexpr):
     split = tl.program_id(0)
     b = tl.program_id(1)
     # The request's next_n rows: context lengths (clamped to the output width).
@@ -258,7 +317,9 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
             k_scale = scale_next
             scale_next = tl.load(scale_ptr + blk_next * SCALE_STRIDE + (pos + TILE) % BS)
         src = blk * VALUE_STRIDE + off * D
-        if BLOCK_D == D:
+        if TMA:  # rows of D bytes: a block's first row, then the tile's offset in it
+            k = k_desc.load([(blk * (VALUE_STRIDE // D) + (t * TILE) % BS).to(tl.int32), 0])
+        elif BLOCK_D == D:
             k = tl.load(value_ptr + src[:, None] + d[None, :])
         else:
             k = tl.load(value_ptr + src[:, None] + d[None, :], mask=(d < D)[None, :], other=0.0)
@@ -279,9 +340,13 @@ def _paged_logits_kernel(q_ptr, value_ptr, scale_ptr, w_ptr, w_stride0, w_stride
                 logits = l0[:, None]
         else:
             logits = tile_logits(k, k_scale, q, w, TILE, NP, HP)
-        tl.store(out_rows[None, :] + pos[:, None],
-                 tl.where(ok[:, None] & (pos[:, None] < ctx[None, :]), logits, float("-inf")),
-                 mask=store_rows & (pos < max_context_len)[:, None])
+        value = tl.where(ok[:, None] & (pos[:, None] < ctx[None, :]), logits, float("-inf"))
+        ptrs = out_rows[None, :] + pos[:, None]
+        keep = store_rows & (pos < max_context_len)[:, None]
+        if DIRECT_STORE:
+            _store_in_place(ptrs, value, keep)
+        else:
+            tl.store(ptrs, value, mask=keep)
     for t in range(t_mid, t_end):
         pos = t * TILE + cols
         tl.store(out_rows[None, :] + pos[:, None],
@@ -304,19 +369,24 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
                          f"next_n {next_n} (split_rows takes next_n <= {SPLIT_ROWS_MAX_NEXT_N})")
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
+    k_desc = None  # the cache as rows of head_dim bytes; a tile is a box of them
+    if config.tma and tma_unsupported_reason(kv_cache, config.tile) is None:
+        rows = kv_cache.view(-1, head_dim).view(torch.float8_e4m3fn)
+        k_desc = TensorDescriptor.from_tensor(rows, [config.tile, head_dim])
     np_ = triton.next_power_of_2(next_n)
     # The MMA's N side (heads, or rows x heads) is at least 16.
     hp = max(triton.next_power_of_2(num_heads), 16 if config.split_rows else triton.cdiv(16, np_))
     num_tiles = triton.cdiv(max_context_len, config.tile)
     grid = (triton.cdiv(num_tiles, config.tiles_per_program), batch)
     launch(_paged_logits_kernel, grid,
-        q_fp8, values, scales, weights, weights.stride(0), weights.stride(1), context_lens,
-        block_table, block_table.stride(0), out, out.stride(0), block_table.shape[1],
+        q_fp8, values, k_desc, scales, weights, weights.stride(0), weights.stride(1),
+        context_lens, block_table, block_table.stride(0), out, out.stride(0), block_table.shape[1],
         num_blocks, max_context_len, config.tiles_per_program,
         N=next_n, H=num_heads, D=head_dim, BS=block_size, VALUE_STRIDE=values.stride(0),
         SCALE_STRIDE=scales.stride(0), NP=np_, HP=hp,
         BLOCK_D=max(32, triton.next_power_of_2(head_dim)), TILE=config.tile,
         SPLIT_ROWS=config.split_rows, SCALES_AHEAD=config.scales_ahead,
+        TMA=k_desc is not None, DIRECT_STORE=config.direct_store and q_fp8.is_cuda,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
