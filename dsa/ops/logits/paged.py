@@ -83,11 +83,13 @@ class PagedLaunch(NamedTuple):
 # against 368 us at 4M). Key scales a tile ahead (4M keys, 64x65536 / 128x32768;
 # "fourteenth"): next_n 1 155.5 / 156.7 against 161.0 / 161.8 us, next_n 2 209.8 / 213.4
 # against 225.6 / 217.6; next_n 3 315.7 / 322.0 against 296.3 / 295.5 (168 -> 176 registers)
-# and next_n 4 354.9 / 377.6 against 348.9 / 367.2, so not there. K by TMA ("fifteenth",
-# graph-timed, 64 requests of 64K / 16K keys): next_n 1 145.4 / 39.9 against 148.2 / 41.0 us,
-# next_n 2 (4 stages) 196.4 against 215.1 at 64K; next_n 3 with direct stores 138.0 against
-# 154.0 at 32K (148.9 without them). Fixed, not autotuned: the interpreter cannot autotune
-# and a captured graph needs the launch decided before capture.
+# and next_n 4 354.9 / 377.6 against 348.9 / 367.2, so not there. K by TMA ("fifteenth": a
+# sweep, then this table against the previous one, ten calls a graph, two rounds, us at
+# 64x16K / 64x64K): next_n 1 40.2 / 150.6 against 41.2 / 155.1, next_n 2 (4 stages) 55.9 /
+# 218.1 against 57.8 / 226.9, next_n 3 (direct stores: 138.0 against 148.9 at 64x32K in the
+# sweep) 73.9 / 286.8 against 80.8 / 306.5, next_n 4 94.1 / 386.1 against 95.2 / 404.5.
+# Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs the launch
+# decided before capture.
 PAGED_LAUNCH = {1: PagedLaunch(False, 4, 2, True, True, False),
                 2: PagedLaunch(True, 4, 4, False, True, False),
                 3: PagedLaunch(True, 4, 3, True, True, True),
