@@ -102,7 +102,8 @@ def paged_logits_config(batch: int, next_n: int, num_heads: int,
     """Default launch parameters for a shape: 64-token tiles (one cache block of 64 per
     tile), about 512 programs or more, each taking at most 16 tiles of its request's context
     (so one long request still spreads over every SM), and the MMA shape, warps and stages
-    and key-scale prefetch from ``PAGED_LAUNCH`` (next_n past 4: next_n 4's)."""
+    key-scale prefetch, K copies and stores from ``PAGED_LAUNCH`` (next_n past 4: next_n
+    4's)."""
     tile = 64
     tiles = batch * max(1, triton.cdiv(max_context_len, tile))
     launch = PAGED_LAUNCH[min(max(next_n, 1), 4)]
