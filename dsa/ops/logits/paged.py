@@ -101,7 +101,7 @@ def paged_logits_config(batch: int, next_n: int, num_heads: int,
                         max_context_len: int) -> PagedLogitsConfig:
     """Default launch parameters for a shape: 64-token tiles (one cache block of 64 per
     tile), about 512 programs or more, each taking at most 16 tiles of its request's context
-    (so one long request still spreads over every SM), and the MMA shape, warps and stages
+    (so one long request still spreads over every SM), and the MMA shape, warps, stages,
     key-scale prefetch, K copies and stores from ``PAGED_LAUNCH`` (next_n past 4: next_n
     4's)."""
     tile = 64
