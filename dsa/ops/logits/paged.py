@@ -88,10 +88,13 @@ class PagedLaunch(NamedTuple):
 # 64x16K / 64x64K): next_n 1 40.2 / 150.6 against 41.2 / 155.1, next_n 2 (4 stages) 55.9 /
 # 218.1 against 57.8 / 226.9, next_n 3 (direct stores: 138.0 against 148.9 at 64x32K in the
 # sweep) 73.9 / 286.8 against 80.8 / 306.5, next_n 4 94.1 / 386.1 against 95.2 / 404.5.
-# Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs the launch
-# decided before capture.
+# Then alternatives (best of three rounds, us at 64x65536 / 64x16384 / 128x32768): next_n 2
+# with the key scales ahead 188.6 / 53.2 / 206.5 against 205.0 / 54.8 / 212.2 without them;
+# next_n 3 without direct stores 306.2 / 78.2 / 305.0 against 274.1 / 71.1 / 281.6; next_n 4
+# split rows 380.3 / 96.6 against 357.1 / 92.0. Fixed, not autotuned: the interpreter cannot
+# autotune and a captured graph needs the launch decided before capture.
 PAGED_LAUNCH = {1: PagedLaunch(False, 4, 2, True, True, False),
-                2: PagedLaunch(True, 4, 4, False, True, False),
+                2: PagedLaunch(True, 4, 4, True, True, False),
                 3: PagedLaunch(True, 4, 3, True, True, True),
                 4: PagedLaunch(False, 4, 4, False, True, False)}
 SPLIT_ROWS_MAX_NEXT_N = 4
