@@ -110,16 +110,9 @@ def paged_logits_config(batch: int, next_n: int, num_heads: int,
     tile = 64
     tiles = batch * max(1, triton.cdiv(max_context_len, tile))
     launch = PAGED_LAUNCH[min(max(next_n, 1), 4)]
-    return PagedLogitsConfig(
-        tile=tile,
-        tiles_per_program=max(1, min(16, tiles // 512)),
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
-        split_rows=launch.split_rows and next_n <= SPLIT_ROWS_MAX_NEXT_N,
-        scales_ahead=launch.scales_ahead,
-        tma=launch.tma,
-        direct_store=launch.direct_store,
-    )
+    launch = launch._replace(split_rows=launch.split_rows and next_n <= SPLIT_ROWS_MAX_NEXT_N)
+    return PagedLogitsConfig(tile=tile, tiles_per_program=max(1, min(16, tiles // 512)),
+                             **launch._asdict())
 
 
 def tma_unsupported_reason(kv_cache: Tensor, tile: int) -> str | None:
