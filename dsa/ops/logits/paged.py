@@ -316,13 +316,15 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
         if SCALES_AHEAD:
             k_scale = scale_next
             scale_next = tl.load(scale_ptr + blk_next * SCALE_STRIDE + (pos + TILE) % BS)
-        src = blk * VALUE_STRIDE + off * D
         if TMA:  # rows of D bytes: a block's first row, then the tile's offset in it
             k = k_desc.load([(blk * (VALUE_STRIDE // D) + (t * TILE) % BS).to(tl.int32), 0])
-        elif BLOCK_D == D:
-            k = tl.load(value_ptr + src[:, None] + d[None, :])
         else:
-            k = tl.load(value_ptr + src[:, None] + d[None, :], mask=(d < D)[None, :], other=0.0)
+            src = blk * VALUE_STRIDE + off * D
+            if BLOCK_D == D:
+                k = tl.load(value_ptr + src[:, None] + d[None, :])
+            else:
+                k = tl.load(value_ptr + src[:, None] + d[None, :], mask=(d < D)[None, :],
+                            other=0.0)
         if not SCALES_AHEAD:  # after the K load: issued first, next_n 3 is 6% slower
             k_scale = tl.load(scale_ptr + blk * SCALE_STRIDE + off)
         if SPLIT_ROWS:
