@@ -115,6 +115,12 @@ def paged_logits_config(batch: int, next_n: int, num_heads: int,
                              **launch._asdict())
 
 
+def _on_nvidia_gpu(t: Tensor) -> bool:
+    """Whether ``t`` lives on an NVIDIA GPU (ROCm's devices are "cuda" too), which runs the
+    kernel's inline PTX."""
+    return t.is_cuda and torch.version.hip is None
+
+
 def tma_unsupported_reason(kv_cache: Tensor, tile: int) -> str | None:
     """Why the Triton kernel cannot copy this cache's K tiles by TMA (None: it can): TMA
     needs compute capability 9 or more, a contiguous cache at a 16-byte aligned offset whose
@@ -122,7 +128,7 @@ def tma_unsupported_reason(kv_cache: Tensor, tile: int) -> str | None:
     box sides of at most 256 (head_dim a power of two from 32, the kernel's operand)."""
     num_blocks, block_size, _, width = kv_cache.shape
     head_dim = width - SCALE_BYTES
-    if kv_cache.is_cuda and (torch.version.hip is not None
+    if kv_cache.is_cuda and (not _on_nvidia_gpu(kv_cache)
                              or torch.cuda.get_device_capability(kv_cache.device)[0] < 9):
         return "the GPU has no TMA (an NVIDIA GPU of compute capability 9 or more has)"
     if not kv_cache.is_contiguous() or kv_cache.storage_offset() % 16:
@@ -356,11 +362,6 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
                  mask=store_rows & (pos < max_context_len)[:, None])
 
 
-def _has_ptx(t: Tensor) -> bool:
-    """Whether ``t``'s device runs the kernel's inline PTX (an NVIDIA GPU)."""
-    return t.is_cuda and torch.version.hip is None
-
-
 def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
                          context_lens: Tensor, block_table: Tensor, out: Tensor,
                          config: PagedLogitsConfig | None) -> Tensor:
@@ -393,7 +394,7 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
         SCALE_STRIDE=scales.stride(0), NP=np_, HP=hp,
         BLOCK_D=max(32, triton.next_power_of_2(head_dim)), TILE=config.tile,
         SPLIT_ROWS=config.split_rows, SCALES_AHEAD=config.scales_ahead,
-        TMA=k_desc is not None, DIRECT_STORE=config.direct_store and _has_ptx(q_fp8),
+        TMA=k_desc is not None, DIRECT_STORE=config.direct_store and _on_nvidia_gpu(q_fp8),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
