@@ -65,8 +65,10 @@ class PagedLogitsConfig:
 
 
 class PagedLaunch(NamedTuple):
-    """The per-next_n part of :func:`paged_logits_config` (fields as in PagedLogitsConfig)."""
+    """The per-next_n part of :func:`paged_logits_config`: ``most_tiles``, the most tiles a
+    program takes, then fields as in PagedLogitsConfig."""
 
+    most_tiles: int
     split_rows: bool
     num_warps: int
     num_stages: int
@@ -91,28 +93,35 @@ class PagedLaunch(NamedTuple):
 # Then alternatives (best of three rounds, us at 64x65536 / 64x16384 / 128x32768): next_n 2
 # with the key scales ahead 188.6 / 53.2 / 206.5 against 205.0 / 54.8 / 212.2 without them;
 # next_n 3 without direct stores 306.2 / 78.2 / 305.0 against 274.1 / 71.1 / 281.6; next_n 4
-# split rows 380.3 / 96.6 against 357.1 / 92.0. Fixed, not autotuned: the interpreter cannot
-# autotune and a captured graph needs the launch decided before capture.
-PAGED_LAUNCH = {1: PagedLaunch(False, 4, 2, True, True, False),
-                2: PagedLaunch(True, 4, 4, True, True, False),
-                3: PagedLaunch(True, 4, 3, True, True, True),
-                4: PagedLaunch(False, 4, 4, False, True, False)}
+# split rows 380.3 / 96.6 against 357.1 / 92.0. Tiles a program ("eighteenth", graphs of ten
+# calls, best of two or three rounds, outputs bitwise equal): next_n 3 and 4 take up to 128
+# (4M keys: 269.4-283.7 us against 278.3-305.8 with 16 at next_n 3, 339.8-351.7 against
+# 355.0-375.9 at next_n 4; 1M keys, 32 a program: 68.8-72.0 against 71.6-74.9 and
+# 89.8-91.4 against 93.2-96.3); next_n 1 and 2 keep 16 (32-64 within 1% or slower, 64x16384
+# next_n 2 53.0 / 57.2 against 50.5). Fixed, not autotuned: the interpreter cannot autotune
+# and a captured graph needs the launch decided before capture.
+PAGED_LAUNCH = {1: PagedLaunch(16, False, 4, 2, True, True, False),
+                2: PagedLaunch(16, True, 4, 4, True, True, False),
+                3: PagedLaunch(128, True, 4, 3, True, True, True),
+                4: PagedLaunch(128, False, 4, 4, False, True, False)}
 SPLIT_ROWS_MAX_NEXT_N = 4
 
 
 def paged_logits_config(batch: int, next_n: int, num_heads: int,
                         max_context_len: int) -> PagedLogitsConfig:
     """Default launch parameters for a shape: 64-token tiles (one cache block of 64 per
-    tile), about 512 programs or more, each taking at most 16 tiles of its request's context
-    (so one long request still spreads over every SM), and the MMA shape, warps, stages,
-    key-scale prefetch, K copies and stores from ``PAGED_LAUNCH`` (next_n past 4: next_n
-    4's)."""
+    tile), about 512 programs or more, each taking at most ``most_tiles`` tiles of its
+    request's context (so one long request still spreads over every SM), and the MMA shape,
+    warps, stages, key-scale prefetch, K copies and stores from ``PAGED_LAUNCH`` (next_n past
+    4: next_n 4's)."""
     tile = 64
     tiles = batch * max(1, triton.cdiv(max_context_len, tile))
     launch = PAGED_LAUNCH[min(max(next_n, 1), 4)]
-    launch = launch._replace(split_rows=launch.split_rows and next_n <= SPLIT_ROWS_MAX_NEXT_N)
-    return PagedLogitsConfig(tile=tile, tiles_per_program=max(1, min(16, tiles // 512)),
-                             **launch._asdict())
+    fields = launch._replace(split_rows=launch.split_rows and next_n <= SPLIT_ROWS_MAX_NEXT_N
+                             )._asdict()
+    most = fields.pop("most_tiles")
+    return PagedLogitsConfig(tile=tile, tiles_per_program=max(1, min(most, tiles // 512)),
+                             **fields)
 
 
 def _on_nvidia_gpu(t: Tensor) -> bool:
