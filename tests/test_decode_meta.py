@@ -9,6 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import BatchSpec, batches, decode_batches
 
+from dsa.ops.decode_meta import TABLE_SCAN_COLS
+
 # --- design worked example ----------------------------------------------------------------
 
 
@@ -157,6 +159,22 @@ def test_cap_context_lens_worked(face):
     # an empty cache holds nothing; a width of 0 keeps no key
     assert (run_op(face, "cap_context_lens", lens, table, 0, 16, 100) == 0).all()
     assert (run_op(face, "cap_context_lens", lens, table, 8, 16, 0) == 0).all()
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_cap_context_lens_wide_table(face):
+    """Tables wider than one step of the kernel's scan (TABLE_SCAN_COLS entries): an
+    invalid entry in a later step still cuts the length, one past the longest length's
+    blocks does not."""
+    width = TABLE_SCAN_COLS + 300
+    table = torch.arange(width, dtype=torch.int32).repeat(3, 1)
+    table[0, TABLE_SCAN_COLS + 100] = -1
+    table[1, TABLE_SCAN_COLS + 250] = width
+    table[2, TABLE_SCAN_COLS + 200] = -1
+    lens = i32([[width], [width - 1], [TABLE_SCAN_COLS + 150]])
+    out = run_op(face, "cap_context_lens", lens, table, width, 1, width)
+    assert out.view(-1).tolist() == [TABLE_SCAN_COLS + 100, TABLE_SCAN_COLS + 250,
+                                     TABLE_SCAN_COLS + 150]
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)

@@ -291,6 +291,12 @@ def capped_lens(context_lens: Tensor, block_table: Tensor, num_blocks: int, bloc
     return torch.minimum(context_lens.long().clamp(min=0), cap[:, None])
 
 
+# Block-table entries a step of capped_lens_tl reads: a row's blocks in one to a few steps
+# (H200, decode_metadata at 4d3d64d, graphs, us with 256 / 2048: 1x1M 19.5 / 5.6, 8x128K
+# 4.4 / 3.2, 64x64K 4.2 / 3.8, 1x4K 2.1 either way; BENCHMARKS.md, "eighteenth").
+TABLE_SCAN_COLS = 2048
+
+
 @triton.jit
 def capped_lens_tl(lens, row_ptr, width, num_blocks, max_context_len, BS: tl.constexpr,
                    BLOCK_W: tl.constexpr):
@@ -342,6 +348,6 @@ def _cap_context_lens_cuda(context_lens: Tensor, block_table: Tensor, num_blocks
         launch(_cap_context_lens_kernel, (rows,),
             context_lens, block_table, block_table.stride(0), out, block_table.shape[1],
             num_blocks, max_context_len, N=next_n, NP=triton.next_power_of_2(next_n),
-            BS=block_size, BLOCK_W=block_for(block_table.shape[1], cap=256),
+            BS=block_size, BLOCK_W=block_for(block_table.shape[1], cap=TABLE_SCAN_COLS),
         )
     return out
