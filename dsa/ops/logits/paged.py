@@ -117,9 +117,9 @@ def paged_logits_config(batch: int, next_n: int, num_heads: int,
     tile = 64
     tiles = batch * max(1, triton.cdiv(max_context_len, tile))
     launch = PAGED_LAUNCH[min(max(next_n, 1), 4)]
-    split_rows = launch.split_rows and next_n <= SPLIT_ROWS_MAX_NEXT_N
-    fields = launch._replace(split_rows=split_rows)._asdict()
+    fields = launch._asdict()
     most = fields.pop("most_tiles")
+    fields["split_rows"] &= next_n <= SPLIT_ROWS_MAX_NEXT_N
     return PagedLogitsConfig(tile=tile, tiles_per_program=max(1, min(most, tiles // 512)),
                              **fields)
 
