@@ -45,7 +45,6 @@ from dsa.ops._registry import dsa_op
 from dsa.ops._tokens import request_of, search_steps
 from dsa.ops.dcp import local_share, local_share_tl
 from dsa.ops.decode_meta import (
-    TABLE_SCAN_COLS,
     capped_lens,
     capped_lens_tl,
     expanded_table,
@@ -54,6 +53,7 @@ from dsa.ops.decode_meta import (
     row_requests,
     row_requests_tl,
     table_rows_tl,
+    table_scan_block,
     token_lens,
     token_lens_tl,
     valid_tokens,
@@ -272,8 +272,7 @@ def _decode_metadata_cuda(*args: object) -> tuple[Tensor, ...]:
             a.max_context_len, a.max_model_len, NATIVE=a.native, N=slots_per_row,
             NP=triton.next_power_of_2(slots_per_row), RATIO=a.compress_ratio,
             DEEPGEMM=a.deepgemm, BS=a.block_size, SEARCH_STEPS=search_steps(num_reqs),
-            BLOCK_T=block_t, BLOCK_W=block_for(width, cap=TABLE_SCAN_COLS),
-            BLOCK_C=block_for(width),
+            BLOCK_T=block_t, BLOCK_W=table_scan_block(width), BLOCK_C=block_for(width),
         )
     if a.deepgemm:
         out = out._replace(schedule=schedule_of_clamped(out.schedule_lens, a.block_size,

@@ -297,6 +297,11 @@ def capped_lens(context_lens: Tensor, block_table: Tensor, num_blocks: int, bloc
 TABLE_SCAN_COLS = 2048
 
 
+def table_scan_block(width: int) -> int:
+    """``BLOCK_W`` of :func:`capped_lens_tl` for block-table rows of ``width`` entries."""
+    return block_for(width, cap=TABLE_SCAN_COLS)
+
+
 @triton.jit
 def capped_lens_tl(lens, row_ptr, width, num_blocks, max_context_len, BS: tl.constexpr,
                    BLOCK_W: tl.constexpr):
@@ -348,6 +353,6 @@ def _cap_context_lens_cuda(context_lens: Tensor, block_table: Tensor, num_blocks
         launch(_cap_context_lens_kernel, (rows,),
             context_lens, block_table, block_table.stride(0), out, block_table.shape[1],
             num_blocks, max_context_len, N=next_n, NP=triton.next_power_of_2(next_n),
-            BS=block_size, BLOCK_W=block_for(block_table.shape[1], cap=TABLE_SCAN_COLS),
+            BS=block_size, BLOCK_W=table_scan_block(block_table.shape[1]),
         )
     return out
