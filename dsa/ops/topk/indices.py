@@ -174,7 +174,7 @@ def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constex
     spread = tl.sqrt(expect)
     rank = tl.minimum(tl.maximum((expect + margin * spread).to(tl.int32) + 2, 1), n_s)
     # any count in [rank, rank + spread] will do
-    t, _ = kth_search(keys, ok, n_s, rank, rank + spread.to(tl.int32), RADIX, PIVOTS, False)
+    t, _, _ = kth_search(keys, ok, n_s, rank, rank + spread.to(tl.int32), RADIX, PIVOTS, False)
     return t
 
 

@@ -1,0 +1,74 @@
+"""The top-k's building block ``select_positions`` (dsa/ops/topk/select.py) on its own: the
+k largest member keys of a tile and their output slots, for every search, with ties broken
+either way, down to ``count == k`` (every member taken) and members whose key is the
+smallest int32 (the key of a NaN with every bit set), which non-members share."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from faces import HAS_CUDA, KERNEL_MARK
+
+from dsa.ops.topk.indices import SEARCHES
+from dsa.ops.topk.select import select_positions, tile
+
+R, C = 2, 32
+N = R * C
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+INT_MIN = -(2**31)  # the key non-members get
+
+
+@triton.jit
+def _select_positions_kernel(keys_ptr, count, k, taken_ptr, pos_ptr, R: tl.constexpr,
+                             C: tl.constexpr, RADIX: tl.constexpr, PIVOTS: tl.constexpr,
+                             LOWEST: tl.constexpr):
+    j = tile(R, C)
+    member = j < count
+    keys = tl.load(keys_ptr + j)
+    taken, pos = select_positions(keys, j, member, count, k, RADIX, PIVOTS, LOWEST)
+    tl.store(taken_ptr + j, taken.to(tl.int32))
+    tl.store(pos_ptr + j, tl.where(taken, pos, -1))
+
+
+def tile_cases() -> list[tuple[str, list[int], int]]:
+    """(name, member keys, k); the tile's other entries are non-members (INT_MIN)."""
+    gen = torch.Generator().manual_seed(3)
+    distinct = torch.randperm(1000, generator=gen)[:50].tolist()
+    ties = torch.randint(0, 4, (50,), generator=gen).tolist()
+    return [
+        ("distinct", distinct, 20),
+        ("ties at the k-th", ties, 20),
+        ("all equal", [7] * 40, 13),
+        ("count == k", distinct[:20], 20),
+        ("count == k, smallest key", [INT_MIN, *distinct[:19]], 20),
+        ("smallest keys tie at the k-th", [INT_MIN] * 10 + distinct[:10], 15),
+        ("full tile", torch.randint(-(2**31), 2**31 - 1, (N,), generator=gen).tolist(), 31),
+    ]
+
+
+@KERNEL_MARK
+@pytest.mark.parametrize("lowest", [False, True])
+@pytest.mark.parametrize("search", list(SEARCHES))
+@pytest.mark.parametrize(("name", "members", "k"), tile_cases(), ids=lambda v: v
+                         if isinstance(v, str) else "")
+def test_select_positions(name, members, k, search, lowest):
+    count = len(members)
+    keys = torch.full((N,), INT_MIN, dtype=torch.int32)
+    keys[:count] = torch.tensor(members, dtype=torch.int64).to(torch.int32)
+    taken = torch.empty(N, dtype=torch.int32, device=DEVICE)
+    pos = torch.empty(N, dtype=torch.int32, device=DEVICE)
+    radix, pivots = SEARCHES[search]
+    _select_positions_kernel[(1,)](keys.to(DEVICE), count, k, taken, pos, R=R, C=C, RADIX=radix,
+                                   PIVOTS=pivots, LOWEST=lowest)
+    taken, pos = taken.cpu().bool(), pos.cpu()
+    assert not taken[count:].any(), "a non-member taken"
+    assert sorted(pos[taken].tolist()) == list(range(k)), "slots not 0 .. k - 1"
+    member_keys = keys[:count].long()
+    kth = member_keys.sort(descending=True).values[k - 1]
+    assert (member_keys[taken[:count]] >= kth).all() and (member_keys[~taken[:count]] <= kth).all()
+    if lowest:  # of the keys equal to the k-th, the lowest positions
+        tied = (member_keys == kth).nonzero().view(-1)
+        n_tied_taken = int(taken[:count][tied].sum())
+        assert taken[:count][tied[:n_tied_taken]].all()
