@@ -8,6 +8,7 @@ is a plain launch; while torch traces the face (the decomposition of a ``triton_
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -38,6 +39,24 @@ def tile_warps(rows: int, row_block: int) -> int:
     """Warps of a program holding ``rows`` x ``row_block`` elements: one per 512 elements,
     one to four (a one-row program of 128 stays in one warp: no cross-warp exchange)."""
     return max(1, min(4, rows * row_block // 512))
+
+
+# Programmatic dependent launch (SM90+): a kernel launched with it may start while the
+# kernel before it runs, and waits (``gdc_wait``) before it reads anything that kernel may
+# write. ``DSA_PDL=0`` in the environment at import turns it off.
+PDL = int(os.environ.get("DSA_PDL", "1"))
+
+
+def pdl_enabled(x: torch.Tensor, level: int = 1) -> bool:
+    """Whether kernels on ``x``'s device take programmatic dependent launch: CUDA on SM90+,
+    outside tracing (``wrap_triton`` does not pass launch options), and not turned off."""
+    return (level <= PDL and x.is_cuda and not is_in_torch_dispatch_mode()
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def pdl_launch(pdl: bool) -> dict[str, bool]:
+    """The launch option of a kernel launched with programmatic dependent launch or not."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:

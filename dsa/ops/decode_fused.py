@@ -40,7 +40,7 @@ from dsa.ops._checks import (
     check_size,
     check_tensor,
 )
-from dsa.ops._launch import block_for
+from dsa.ops._launch import block_for, pdl_enabled
 from dsa.ops._registry import dsa_op
 from dsa.ops._tokens import request_of, search_steps
 from dsa.ops.dcp import local_share, local_share_tl
@@ -199,10 +199,13 @@ def _decode_metadata_kernel(
     max_context_len, max_model_len,
     NATIVE: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, RATIO: tl.constexpr,
     DEEPGEMM: tl.constexpr, BS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (p, c): columns block c of logits row p's block table; with c == 0 also row
-    p's lengths and the token block p."""
+    p's lengths and the token block p. PDL: a kernel launched after it with programmatic
+    dependent launch may start at once (it waits before it reads these outputs)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     c = tl.program_id(1)
     row = p + tl.arange(0, 1)
@@ -273,6 +276,7 @@ def _decode_metadata_cuda(*args: object) -> tuple[Tensor, ...]:
             NP=triton.next_power_of_2(slots_per_row), RATIO=a.compress_ratio,
             DEEPGEMM=a.deepgemm, BS=a.block_size, SEARCH_STEPS=search_steps(num_reqs),
             BLOCK_T=block_t, BLOCK_W=table_scan_block(width), BLOCK_C=block_for(width),
+            PDL=pdl_enabled(a.block_table),
         )
     if a.deepgemm:
         out = out._replace(schedule=schedule_of_clamped(out.schedule_lens, a.block_size,

@@ -41,7 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import check_size, check_tensor
-from dsa.ops._launch import launch, row_tile, tile_warps
+from dsa.ops._launch import launch, pdl_enabled, pdl_launch, row_tile, tile_warps
 from dsa.ops._registry import dsa_op
 from dsa.ops.block_fp8 import BLOCK as WEIGHT_BLOCK
 from dsa.ops.block_fp8 import check_block_fp8, dequantize
@@ -275,10 +275,11 @@ def _weight_tile(w, rows_ok, e0, e, width, dtype: tl.constexpr, SCALED: tl.const
 @triton.jit
 def _slice_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.constexpr,
                     COLS: tl.constexpr, STEP: tl.constexpr, SLICE_STEPS: tl.constexpr,
-                    SCALED: tl.constexpr):
+                    SCALED: tl.constexpr, PDL: tl.constexpr):
     """fp32 ``[TP, COLS]`` sums over inner-dim elements ``lo .. lo + SLICE_STEPS * STEP`` of
     ``x[t, :] * w[c, :]`` (``w``: see :func:`_weight_tile`; masked rows count 0), one token
-    at a time."""
+    at a time. PDL: the first step's weights are loaded before waiting for the kernel
+    before (which may write ``x``)."""
     t = tl.arange(0, TP)
     acc = tl.zeros([TP, COLS], tl.float32)
     for step in tl.static_range(SLICE_STEPS):
@@ -286,6 +287,8 @@ def _slice_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.con
         e = e0 + tl.arange(0, STEP)
         w_tile, factor = _weight_tile(w, rows_ok, e0, e, width, x_ptr.dtype.element_ty,
                                       SCALED, True)
+        if PDL and step == 0:
+            tl.extra.cuda.gdc_wait()
         w_tile = w_tile.to(tl.float32)
         x_row = x_ptr  # advanced by a stride (a plain int where Triton specialises it to 1)
         for j in tl.static_range(TP):
@@ -302,10 +305,12 @@ def _slice_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.con
 @triton.jit
 def _tile_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.constexpr,
                    COLS: tl.constexpr, STEP: tl.constexpr, SLICE_STEPS: tl.constexpr,
-                   SCALED: tl.constexpr, NATIVE: tl.constexpr):
+                   SCALED: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     """:func:`_slice_products` for a tile of TP tokens by matrix products, their operands'
     products exact and summed in fp32: NATIVE, in the operands' dtype where both share a
-    16-bit one, else in fp32 (without TF32)."""
+    16-bit one, else in fp32 (without TF32). PDL: waits for the kernel before first."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     t = tl.arange(0, TP)
     acc = tl.zeros([TP, COLS], tl.float32)
     for step in range(SLICE_STEPS):
@@ -342,15 +347,15 @@ def _split_dot(x, w, acc):
 @triton.jit
 def _products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.constexpr,
               COLS: tl.constexpr, STEP: tl.constexpr, SLICE_STEPS: tl.constexpr,
-              SCALED: tl.constexpr, DOT: tl.constexpr):
+              SCALED: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
     """The partial sums of a program: DOT 0 :func:`_slice_products`, 1
     :func:`_tile_products` in fp32, 2 the same with native 16-bit operands."""
     if DOT:
         acc = _tile_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP, COLS, STEP,
-                             SLICE_STEPS, SCALED, DOT == 2)
+                             SLICE_STEPS, SCALED, DOT == 2, PDL)
     else:
         acc = _slice_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP, COLS,
-                              STEP, SLICE_STEPS, SCALED)
+                              STEP, SLICE_STEPS, SCALED, PDL)
     return acc
 
 
@@ -359,7 +364,7 @@ def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, 
                      wp_ptr, wp_s0, wp_s1, hpart_ptr, tokens, width, D: tl.constexpr,
                      H: tl.constexpr, TP: tl.constexpr, COLS: tl.constexpr,
                      STEP: tl.constexpr, H_STEPS: tl.constexpr, WK_SCALED: tl.constexpr,
-                     DOT: tl.constexpr):
+                     DOT: tl.constexpr, PDL: tl.constexpr):
     """``hpart[s, t, c]`` of program ``pid = s * H_BLOCKS + block``: COLS columns c of
     ``[wk; weights_proj]`` (k's D, then the H head weights), tokens ``t0 .. t0 + TP - 1``
     (WK_SCALED: fp8 ``wk`` with its block scales at ``wks_ptr``)."""
@@ -376,13 +381,13 @@ def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, 
         wk_tile = (wk_ptr + rows.to(tl.int64) * wk_s0, wk_s1, block * COLS, wks_ptr, wks_s0,
                    wks_s1)
         acc = _products(x, x_s0, x_s1, wk_tile, rows < D, tokens - t0, width, lo, TP, COLS, STEP,
-                        H_STEPS, WK_SCALED, DOT)
+                        H_STEPS, WK_SCALED, DOT, PDL)
         col, col_ok = rows, rows < D
     else:
         rows = (block - K_BLOCKS) * COLS + c
         wp_tile = (wp_ptr + rows.to(tl.int64) * wp_s0, wp_s1, 0, wp_ptr, 0, 0)
         acc = _products(x, x_s0, x_s1, wp_tile, rows < H, tokens - t0, width, lo, TP, COLS, STEP,
-                        H_STEPS, False, DOT)
+                        H_STEPS, False, DOT, PDL)
         col, col_ok = D + rows, rows < H
     out = hpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * (D + H) + col[None, :]
     tl.store(out, acc, mask=(t < tokens)[:, None] & col_ok[None, :])
@@ -392,7 +397,7 @@ def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, 
 def _q_partials(q_pid, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr, wqs_s0, wqs_s1,
                 qpart_ptr, tokens, q_width, N: tl.constexpr, TP: tl.constexpr,
                 Q_COLS: tl.constexpr, STEP: tl.constexpr, Q_STEPS: tl.constexpr,
-                WQ_SCALED: tl.constexpr, DOT: tl.constexpr):
+                WQ_SCALED: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
     """``qpart[s, t, c]`` of program ``q_pid = s * Q_BLOCKS + block``: Q_COLS of the N
     columns of ``wq_b``, tokens ``t0 .. t0 + TP - 1`` (WQ_SCALED: fp8 ``wq_b`` with its
     block scales at ``wqs_ptr``)."""
@@ -403,7 +408,8 @@ def _q_partials(q_pid, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr, 
     col = col0 + tl.arange(0, Q_COLS)
     w = (wq_ptr + col.to(tl.int64) * wq_s0, wq_s1, col0, wqs_ptr, wqs_s0, wqs_s1)
     acc = _products(ql_ptr + t0.to(tl.int64) * ql_s0, ql_s0, ql_s1, w, col < N, tokens - t0,
-                    q_width, s * (Q_STEPS * STEP), TP, Q_COLS, STEP, Q_STEPS, WQ_SCALED, DOT)
+                    q_width, s * (Q_STEPS * STEP), TP, Q_COLS, STEP, Q_STEPS, WQ_SCALED, DOT,
+                    PDL)
     out = qpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * N + col[None, :]
     tl.store(out, acc, mask=(t < tokens)[:, None] & (col < N)[None, :])
 
@@ -415,20 +421,24 @@ def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_
                      D: tl.constexpr, H: tl.constexpr, TP: tl.constexpr, COLS: tl.constexpr,
                      Q_COLS: tl.constexpr, STEP: tl.constexpr, H_STEPS: tl.constexpr,
                      Q_STEPS: tl.constexpr, H_PROGRAMS: tl.constexpr,
-                     WK_SCALED: tl.constexpr, WQ_SCALED: tl.constexpr, DOT: tl.constexpr):
+                     WK_SCALED: tl.constexpr, WQ_SCALED: tl.constexpr, DOT: tl.constexpr,
+                     PDL: tl.constexpr):
     """Program (i, j), tokens ``j * TP ..``: the first H_PROGRAMS programs i
     :func:`_hidden_partials` (over the hidden dim), the others :func:`_q_partials` (over the
-    q_lora dim)."""
+    q_lora dim). PDL (programmatic dependent launch): a program may start while the kernel
+    before runs, and reads only weights before it waits for that kernel."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     t0 = tl.program_id(1) * TP
     if pid < H_PROGRAMS:
         _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, wks_s0,
                          wks_s1, wp_ptr, wp_s0, wp_s1, hpart_ptr, tokens, width, D, H, TP, COLS,
-                         STEP, H_STEPS, WK_SCALED, DOT)
+                         STEP, H_STEPS, WK_SCALED, DOT, PDL)
     else:
         _q_partials(pid - H_PROGRAMS, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr,
                     wqs_s0, wqs_s1, qpart_ptr, tokens, q_width, H * D, TP, Q_COLS, STEP,
-                    Q_STEPS, WQ_SCALED, DOT)
+                    Q_STEPS, WQ_SCALED, DOT, PDL)
 
 
 @triton.jit
@@ -515,8 +525,11 @@ def _prologue_kernel(hpart_ptr, qpart_ptr, tokens, q_programs, nw_ptr, nb_ptr, e
                      H_SLICES: tl.constexpr, Q_SLICES: tl.constexpr,
                      VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, BS: tl.constexpr,
                      ROPE_DIM: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr,
-                     UE8M0: tl.constexpr):
+                     UE8M0: tl.constexpr, PDL: tl.constexpr):
     """The first ``q_programs`` programs: :func:`_q_rows`; then one per token: :func:`_k_token`."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     if pid < q_programs:
         _q_rows(pid, hpart_ptr, qpart_ptr, tokens, q_out_ptr, hw_ptr, cs_ptr, pos_ptr, max_pos,
@@ -549,6 +562,7 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
     f32 = {"dtype": torch.float32, "device": hidden.device}
     hpart = torch.empty(h_slices, n.tokens, n.head_dim + n.heads, **f32)
     qpart = torch.empty(q_slices, n.tokens, n.heads * n.head_dim, **f32)
+    pdl, chain = pdl_enabled(hidden), pdl_enabled(hidden, 2)
     launch(_partials_kernel,
            (h_slices * h_blocks + q_slices * q_blocks, triton.cdiv(n.tokens, plan.tokens)),
            hidden, *hidden.stride(), q_latent, *q_latent.stride(), wk, *wk.stride(),
@@ -558,7 +572,8 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            STEP=plan.step, H_STEPS=plan.hidden_steps, Q_STEPS=plan.q_steps,
            H_PROGRAMS=h_slices * h_blocks, WK_SCALED=wk_scale is not None,
            WQ_SCALED=wq_b_scale is not None,
-           DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0, num_warps=plan.warps)
+           DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0, PDL=pdl, num_warps=plan.warps,
+           **({"launch_pdl": True} if pdl else {}))
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
     block_d = triton.next_power_of_2(n.head_dim)
@@ -573,8 +588,8 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            dtype=_TL_DTYPES[hidden.dtype], H=n.heads, D=n.head_dim, BLOCK_D=block_d,
            BLOCK_R=block_r, H_SLICES=h_slices, Q_SLICES=q_slices,
            VALUE_STRIDE=values.stride(0), SCALE_STRIDE=scales.stride(0), BS=block_size,
-           UE8M0=ue8m0, num_warps=tile_warps(block_r, block_d),
-           **rope_constexprs(n.head_dim, cos_sin, hadamard))
+           UE8M0=ue8m0, num_warps=tile_warps(block_r, block_d), PDL=chain,
+           **rope_constexprs(n.head_dim, cos_sin, hadamard), **pdl_launch(chain))
 
 
 def _scale_args(scale: Tensor | None, weight: Tensor) -> tuple[Tensor, int, int]:

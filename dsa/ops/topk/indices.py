@@ -46,7 +46,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, check_int, check_tensor
-from dsa.ops._launch import launch
+from dsa.ops._launch import launch, pdl_enabled, pdl_launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.topk.select import (
     INT_MIN,
@@ -183,11 +183,14 @@ def _candidates_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr
                        n_cols, k, margin, HAS_STARTS: tl.constexpr, PARTS: tl.constexpr,
                        G: tl.constexpr, W: tl.constexpr, CAP: tl.constexpr,
                        BLOCK: tl.constexpr, C: tl.constexpr, RADIX: tl.constexpr,
-                       PIVOTS: tl.constexpr, EARLY_LOAD: tl.constexpr):
+                       PIVOTS: tl.constexpr, EARLY_LOAD: tl.constexpr, PDL: tl.constexpr):
     """Program (row, part) of a row with ``valid > CAP``: the row's threshold T from a
     sample, then the part's keys >= T with their output indices (one int64: key in the
     high half) into its region of ``CAP`` entries, and their count (it may exceed CAP).
     EARLY_LOAD: the part's first block is loaded before the threshold is searched."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     part = tl.program_id(1)
     lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
@@ -224,7 +227,8 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
                    BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr, PRELOAD: tl.constexpr,
                    SLOTS: tl.constexpr, BS: tl.constexpr, RADIX: tl.constexpr,
                    PIVOTS: tl.constexpr, STREAM_RADIX: tl.constexpr,
-                   STREAM_PIVOTS: tl.constexpr, LOWEST: tl.constexpr, SCORES: tl.constexpr):
+                   STREAM_PIVOTS: tl.constexpr, LOWEST: tl.constexpr, SCORES: tl.constexpr,
+                   PDL: tl.constexpr):
     """Program per row: ``valid <= k``: all; ``valid <= CAP``: the row read whole into
     registers; else the parts' candidates: in registers (at most CAP), streamed from the
     parts' regions (more than CAP, each part's stored whole), or, when they are not all
@@ -234,6 +238,9 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
     logits (fp32) are written too, -inf past the valid ones. With SLOTS, the row's indices
     are then read back and written as cache slots (``indices_to_slots`` of the row).
     STREAM_RADIX, STREAM_PIVOTS: the streamed searches' RADIX and PIVOTS."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     row_ptr = logits_ptr + unaligned_offset(row, stride_row)
     j = tile(CAP // C, C)
@@ -493,7 +500,9 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     head = (logits, logits.stride(0), lengths, lengths if starts is None else starts)
     radix, pivots = SEARCHES[tune.search]
     stream_radix, stream_pivots = SEARCHES[streamed_search]
-    flags = dict(HAS_STARTS=starts is not None, RADIX=radix, PIVOTS=pivots)
+    pdl = pdl_enabled(logits, 2)
+    flags = dict(HAS_STARTS=starts is not None, RADIX=radix, PIVOTS=pivots, PDL=pdl,
+                 **pdl_launch(pdl))
     # per (row, part): select_cap packed candidates, then the counts
     cand = torch.empty(rows * parts * select_cap, dtype=torch.int64, device=logits.device)
     counts = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
