@@ -20,6 +20,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import dsa
+import dsa.ops._launch
 from dsa.graphs import DecodeGraphRunner, StaticBatch, pad_batch
 from dsa.ops import block_fp8
 from dsa.ops.logits.deepgemm import deepgemm_paged_supported
@@ -149,6 +150,43 @@ def test_decode_step_replays_as_one_graph(name, compile_backend):
         replays = [runner.replay(live, **x) for _ in range(20)]
     for again in replays[1:]:
         assert all(torch.equal(a, b) for a, b in zip(replays[0], again))
+
+
+@pytest.mark.parametrize("backend", ["triton", "deepgemm"])
+def test_programmatic_dependent_launch_replays_equal(monkeypatch, backend):
+    """The step's kernels launched with programmatic dependent launch (each may start while
+    the kernel before runs, and waits before it reads what that kernel writes) give, in a
+    graph, the slots, indices and K cache of the step launched without it, bit for bit,
+    over two layers (the second layer's partial sums launch after the first's top-k)."""
+    if backend == "deepgemm" and not deepgemm_paged_supported():
+        pytest.skip("DeepGEMM paged logits not available")
+    cfg = make_cfg(next_n=1, logits_backend=backend)
+    layers = make_layers(cfg)
+    rng = random.Random(17)
+    batches = [random_decode_batch(rng, cfg, bucket, device="cuda", uneven=True)
+               for bucket in BUCKETS for _ in range(4)]
+    inputs = [token_inputs(live.num_tokens) for live in batches]
+    runs = []
+    for level in (0, 2):
+        monkeypatch.setattr(dsa.ops._launch, "PDL", level)
+        torch._dynamo.reset()
+        for layer in layers:
+            layer.kv_cache.zero_()
+        runner = DecodeGraphRunner(
+            make_step(cfg, layers), cfg, sizes=BUCKETS, table_width=table_width(cfg),
+            token_inputs={"hidden": ((HIDDEN,), torch.bfloat16),
+                          "q_latent": ((Q_LORA_RANK,), torch.bfloat16)},
+        )
+        runner.capture()
+        for layer in layers:
+            layer.kv_cache.zero_()
+        with strict_replay():
+            outs = [runner.replay(live, **x) for live, x in zip(batches, inputs)]
+        runs.append((outs, [layer.kv_cache.clone() for layer in layers]))
+    (outs_off, caches_off), (outs_on, caches_on) = runs
+    for got, want in zip(outs_on, outs_off):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(g, w) for g, w in zip(caches_on, caches_off))
 
 
 BATCH_FIELDS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions")
