@@ -152,23 +152,27 @@ def test_decode_step_replays_as_one_graph(name, compile_backend):
         assert all(torch.equal(a, b) for a, b in zip(replays[0], again))
 
 
+@pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize("backend", ["triton", "deepgemm"])
-def test_programmatic_dependent_launch_replays_equal(monkeypatch, backend):
+def test_programmatic_dependent_launch_replays_equal(monkeypatch, backend, level):
     """The step's kernels launched with programmatic dependent launch (each may start while
     the kernel before runs, and waits before it reads what that kernel writes) give, in a
-    graph, the slots, indices and K cache of the step launched without it, bit for bit,
+    graph, at either level of ``DSA_PDL``, the slots, indices and K cache of the step
+    launched without it, bit for bit,
     over two layers (the second layer's partial sums launch after the first's top-k)."""
-    if backend == "deepgemm" and not deepgemm_paged_supported():
-        pytest.skip("DeepGEMM paged logits not available")
     cfg = make_cfg(next_n=1, logits_backend=backend)
+    if backend == "deepgemm" and not deepgemm_paged_supported(
+        torch.device("cuda"), cfg.num_heads, cfg.head_dim, cfg.block_size, cfg.next_n
+    ):
+        pytest.skip("DeepGEMM is not usable here")
     layers = make_layers(cfg)
     rng = random.Random(17)
     batches = [random_decode_batch(rng, cfg, bucket, device="cuda", uneven=True)
                for bucket in BUCKETS for _ in range(4)]
     inputs = [token_inputs(live.num_tokens) for live in batches]
     runs = []
-    for level in (0, 2):
-        monkeypatch.setattr(dsa.ops._launch, "PDL", level)
+    for pdl in (0, level):
+        monkeypatch.setattr(dsa.ops._launch, "PDL", pdl)
         torch._dynamo.reset()
         for layer in layers:
             layer.kv_cache.zero_()

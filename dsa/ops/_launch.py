@@ -42,14 +42,19 @@ def tile_warps(rows: int, row_block: int) -> int:
 
 
 # Programmatic dependent launch (SM90+): a kernel launched with it may start while the
-# kernel before it runs, and waits (``gdc_wait``) before it reads anything that kernel may
-# write. ``DSA_PDL=0`` in the environment at import turns it off.
+# kernel before it runs, reads only weights until it waits (``gdc_wait``) for that kernel,
+# and lets its own dependents start early (``gdc_launch_dependents``). ``DSA_PDL`` in the
+# environment at import: 1 (default) the decode metadata and the projections' partial sums,
+# 2 also the prologue, the paged logits and the top-k, 0 none. H200 (BENCHMARKS.md,
+# "twentieth"): level 1 takes the (1, 4K) step from 32.3 to 31.3 us and leaves (64, 64K)
+# as it was; level 2 gives 30.7 at (1, 4K) but 202-204 against 200 at (64, 64K).
 PDL = int(os.environ.get("DSA_PDL", "1"))
 
 
 def pdl_enabled(x: torch.Tensor, level: int = 1) -> bool:
-    """Whether kernels on ``x``'s device take programmatic dependent launch: CUDA on SM90+,
-    outside tracing (``wrap_triton`` does not pass launch options), and not turned off."""
+    """Whether kernels on ``x``'s device take programmatic dependent launch at ``level``:
+    CUDA on SM90+, outside tracing (``wrap_triton`` does not pass launch options), and
+    ``DSA_PDL`` at least ``level``."""
     return (level <= PDL and x.is_cuda and not is_in_torch_dispatch_mode()
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
