@@ -158,8 +158,8 @@ def test_programmatic_dependent_launch_replays_equal(monkeypatch, backend, level
     """The step's kernels launched with programmatic dependent launch (each may start while
     the kernel before runs, and waits before it reads what that kernel writes) give, in a
     graph, at either level of ``DSA_PDL``, the slots, indices and K cache of the step
-    launched without it, bit for bit,
-    over two layers (the second layer's partial sums launch after the first's top-k)."""
+    launched without it, bit for bit, over two layers (the second layer's partial sums
+    launch after the first's top-k)."""
     cfg = make_cfg(next_n=1, logits_backend=backend)
     if backend == "deepgemm" and not deepgemm_paged_supported(
         torch.device("cuda"), cfg.num_heads, cfg.head_dim, cfg.block_size, cfg.next_n
@@ -174,15 +174,13 @@ def test_programmatic_dependent_launch_replays_equal(monkeypatch, backend, level
     for pdl in (0, level):
         monkeypatch.setattr(dsa.ops._launch, "PDL", pdl)
         torch._dynamo.reset()
-        for layer in layers:
-            layer.kv_cache.zero_()
         runner = DecodeGraphRunner(
             make_step(cfg, layers), cfg, sizes=BUCKETS, table_width=table_width(cfg),
             token_inputs={"hidden": ((HIDDEN,), torch.bfloat16),
                           "q_latent": ((Q_LORA_RANK,), torch.bfloat16)},
         )
         runner.capture()
-        for layer in layers:
+        for layer in layers:  # the capture's warm-up wrote K
             layer.kv_cache.zero_()
         with strict_replay():
             outs = [runner.replay(live, **x) for live, x in zip(batches, inputs)]

@@ -46,8 +46,8 @@ def tile_warps(rows: int, row_block: int) -> int:
 # and lets its own dependents start early (``gdc_launch_dependents``). ``DSA_PDL`` in the
 # environment at import: 1 (default) the decode metadata and the projections' partial sums,
 # 2 also the prologue, the paged logits and the top-k, 0 none. H200 (BENCHMARKS.md,
-# "twentieth"): level 1 takes the (1, 4K) step from 32.3 to 31.3 us and leaves (64, 64K)
-# as it was; level 2 gives 30.7 at (1, 4K) but 202-204 against 200 at (64, 64K).
+# "twentieth"): level 1 takes the (1, 4K) step from 32.2-32.4 to 31.2-31.4 us and leaves
+# (64, 64K) as it was; level 2 gives 30.5-30.8 at (1, 4K) but 204 against 200 at (64, 64K).
 PDL = int(os.environ.get("DSA_PDL", "1"))
 
 

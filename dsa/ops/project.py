@@ -573,7 +573,7 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            H_PROGRAMS=h_slices * h_blocks, WK_SCALED=wk_scale is not None,
            WQ_SCALED=wq_b_scale is not None,
            DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0, PDL=pdl, num_warps=plan.warps,
-           **({"launch_pdl": True} if pdl else {}))
+           **pdl_launch(pdl))
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
     block_d = triton.next_power_of_2(n.head_dim)
