@@ -41,21 +41,26 @@ def tile_warps(rows: int, row_block: int) -> int:
     return max(1, min(4, rows * row_block // 512))
 
 
-# Programmatic dependent launch (SM90+): a kernel launched with it may start while the
-# kernel before it runs, reads only weights until it waits (``gdc_wait``) for that kernel,
-# and lets its own dependents start early (``gdc_launch_dependents``). ``DSA_PDL`` in the
+# Programmatic dependent launch (SM90+): a kernel launched with it may start while the kernel
+# before it runs, reads only weights until it waits (``gdc_wait``) for that kernel, and
+# lets its own dependents start early (``gdc_launch_dependents``). ``DSA_PDL`` in the
 # environment at import: 1 (default) the decode metadata and the projections' partial sums,
-# 2 also the prologue, the paged logits and the top-k, 0 none. H200 (BENCHMARKS.md,
-# "twentieth"): level 1 takes the (1, 4K) step from 32.2-32.4 to 31.2-31.4 us and leaves
-# (64, 64K) as it was; level 2 gives 30.5-30.8 at (1, 4K) but 204 against 200 at (64, 64K).
+# and the rest of the step's chain (prologue, paged logits, top-k) where a kernel has at most
+# ``CHAIN_ROWS`` rows (tokens, query rows); 2 the chain at every size; 0 none. H200
+# (BENCHMARKS.md, "twentieth"): the partial sums' PDL takes the (1, 4K) step from 32.2-32.4
+# to 31.2-31.4 us; the chain takes it to 30.5-30.8, but slows (64, 64K) from 200 to 204 us
+# (early dependents), hence the bound.
 PDL = int(os.environ.get("DSA_PDL", "1"))
+CHAIN_ROWS = 16
 
 
-def pdl_enabled(x: torch.Tensor, level: int = 1) -> bool:
-    """Whether kernels on ``x``'s device take programmatic dependent launch at ``level``:
-    CUDA on SM90+, outside tracing (``wrap_triton`` does not pass launch options), and
-    ``DSA_PDL`` at least ``level``."""
-    return (level <= PDL and x.is_cuda and not is_in_torch_dispatch_mode()
+def pdl_enabled(x: torch.Tensor, rows: int | None = None) -> bool:
+    """Whether a kernel on ``x``'s device takes programmatic dependent launch: CUDA on
+    SM90+, outside tracing (``wrap_triton`` does not pass launch options), ``DSA_PDL`` at
+    least 1, and for a kernel of the step's chain (``rows`` given) ``DSA_PDL`` 2 or at most
+    ``CHAIN_ROWS`` rows."""
+    wanted = PDL >= 1 if rows is None else PDL >= 2 or (PDL == 1 and rows <= CHAIN_ROWS)
+    return (wanted and x.is_cuda and not is_in_torch_dispatch_mode()
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 

@@ -562,7 +562,7 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
     f32 = {"dtype": torch.float32, "device": hidden.device}
     hpart = torch.empty(h_slices, n.tokens, n.head_dim + n.heads, **f32)
     qpart = torch.empty(q_slices, n.tokens, n.heads * n.head_dim, **f32)
-    pdl, chain = pdl_enabled(hidden), pdl_enabled(hidden, 2)
+    pdl, chain = pdl_enabled(hidden), pdl_enabled(hidden, n.tokens)
     launch(_partials_kernel,
            (h_slices * h_blocks + q_slices * q_blocks, triton.cdiv(n.tokens, plan.tokens)),
            hidden, *hidden.stride(), q_latent, *q_latent.stride(), wk, *wk.stride(),

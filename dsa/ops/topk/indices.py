@@ -500,7 +500,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     head = (logits, logits.stride(0), lengths, lengths if starts is None else starts)
     radix, pivots = SEARCHES[tune.search]
     stream_radix, stream_pivots = SEARCHES[streamed_search]
-    pdl = pdl_enabled(logits, 2)
+    pdl = pdl_enabled(logits, rows)
     flags = dict(HAS_STARTS=starts is not None, RADIX=radix, PIVOTS=pivots, PDL=pdl,
                  **pdl_launch(pdl))
     # per (row, part): select_cap packed candidates, then the counts
