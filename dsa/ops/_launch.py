@@ -45,21 +45,23 @@ def tile_warps(rows: int, row_block: int) -> int:
 # before it runs, reads only weights until it waits (``gdc_wait``) for that kernel, and
 # lets its own dependents start early (``gdc_launch_dependents``). ``DSA_PDL`` in the
 # environment at import: 1 (default) the decode metadata and the projections' partial sums,
-# and the rest of the step's chain (prologue, paged logits, top-k) where a kernel has at most
-# ``CHAIN_ROWS`` rows (tokens, query rows); 2 the chain at every size; 0 none. H200
-# (BENCHMARKS.md, "twentieth"): the partial sums' PDL takes the (1, 4K) step from 32.2-32.4
-# to 31.2-31.4 us; the chain takes it to 30.5-30.8, but slows (64, 64K) from 200 to 204 us
-# (early dependents), hence the bound.
+# and the rest of the step's chain (prologue, paged logits, top-k) where it is small: at most
+# ``CHAIN_ROWS`` tokens or rows, paged logits of at most ``CHAIN_KEYS`` entries; 2 the chain
+# at every size; 0 none. H200 (BENCHMARKS.md, "twenty-first"; step µs, level 1 without and
+# with the chain): (1, 4K) 30.7 / 30.2, (4, 16K) 45.0 / 42.7, (16, 16K) 55.6 / 54.3; the
+# chain at every size costs 3-4 µs at (64, 64K) (prologue and top-k of 64 rows) and 10-12
+# at (16, 64K) and (32, 32K) (dsa's paged logits over 1M entries).
 PDL = int(os.environ.get("DSA_PDL", "1"))
 CHAIN_ROWS = 16
+CHAIN_KEYS = 256 * 1024
 
 
-def pdl_enabled(x: torch.Tensor, rows: int | None = None) -> bool:
+def pdl_enabled(x: torch.Tensor, small: bool | None = None) -> bool:
     """Whether a kernel on ``x``'s device takes programmatic dependent launch: CUDA on
     SM90+, outside tracing (``wrap_triton`` does not pass launch options), ``DSA_PDL`` at
-    least 1, and for a kernel of the step's chain (``rows`` given) ``DSA_PDL`` 2 or at most
-    ``CHAIN_ROWS`` rows."""
-    wanted = PDL >= 1 if rows is None else PDL >= 2 or (PDL == 1 and rows <= CHAIN_ROWS)
+    least 1; a kernel of the step's chain (``small`` given: whether it is within
+    ``CHAIN_ROWS`` / ``CHAIN_KEYS``) at ``DSA_PDL`` 2, or 1 where ``small``."""
+    wanted = PDL >= 1 if small is None else PDL >= 2 or (PDL == 1 and small)
     return (wanted and x.is_cuda and not is_in_torch_dispatch_mode()
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 

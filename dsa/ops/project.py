@@ -41,7 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import check_size, check_tensor
-from dsa.ops._launch import launch, pdl_enabled, pdl_launch, row_tile, tile_warps
+from dsa.ops._launch import CHAIN_ROWS, launch, pdl_enabled, pdl_launch, row_tile, tile_warps
 from dsa.ops._registry import dsa_op
 from dsa.ops.block_fp8 import BLOCK as WEIGHT_BLOCK
 from dsa.ops.block_fp8 import check_block_fp8, dequantize
@@ -562,7 +562,7 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
     f32 = {"dtype": torch.float32, "device": hidden.device}
     hpart = torch.empty(h_slices, n.tokens, n.head_dim + n.heads, **f32)
     qpart = torch.empty(q_slices, n.tokens, n.heads * n.head_dim, **f32)
-    pdl, chain = pdl_enabled(hidden), pdl_enabled(hidden, n.tokens)
+    pdl, chain = pdl_enabled(hidden), pdl_enabled(hidden, n.tokens <= CHAIN_ROWS)
     launch(_partials_kernel,
            (h_slices * h_blocks + q_slices * q_blocks, triton.cdiv(n.tokens, plan.tokens)),
            hidden, *hidden.stride(), q_latent, *q_latent.stride(), wk, *wk.stride(),

@@ -29,7 +29,7 @@ from dsa.ops._checks import (
     check_size,
     check_tensor,
 )
-from dsa.ops._launch import launch, pdl_enabled, pdl_launch
+from dsa.ops._launch import CHAIN_KEYS, launch, pdl_enabled, pdl_launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.kcache import SCALE_BYTES, check_kv_cache, kcache_views, padded_block_table
 from dsa.ops.logits import deepgemm
@@ -398,7 +398,7 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
     hp = max(triton.next_power_of_2(num_heads), 16 if config.split_rows else triton.cdiv(16, np_))
     num_tiles = triton.cdiv(max_context_len, config.tile)
     grid = (triton.cdiv(num_tiles, config.tiles_per_program), batch)
-    pdl = pdl_enabled(q_fp8, batch * next_n)
+    pdl = pdl_enabled(q_fp8, batch * next_n * max_context_len <= CHAIN_KEYS)
     launch(_paged_logits_kernel, grid,
         q_fp8, values, k_desc, scales, weights, weights.stride(0), weights.stride(1),
         context_lens, block_table, block_table.stride(0), out, out.stride(0), block_table.shape[1],

@@ -46,7 +46,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, check_int, check_tensor
-from dsa.ops._launch import launch, pdl_enabled, pdl_launch
+from dsa.ops._launch import CHAIN_ROWS, launch, pdl_enabled, pdl_launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.topk.select import (
     INT_MIN,
@@ -500,7 +500,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     head = (logits, logits.stride(0), lengths, lengths if starts is None else starts)
     radix, pivots = SEARCHES[tune.search]
     stream_radix, stream_pivots = SEARCHES[streamed_search]
-    pdl = pdl_enabled(logits, rows)
+    pdl = pdl_enabled(logits, rows <= CHAIN_ROWS)
     flags = dict(HAS_STARTS=starts is not None, RADIX=radix, PIVOTS=pivots, PDL=pdl,
                  **pdl_launch(pdl))
     # per (row, part): select_cap packed candidates, then the counts
