@@ -47,10 +47,11 @@ def tile_warps(rows: int, row_block: int) -> int:
 # environment at import: 1 (default) the decode metadata and the projections' partial sums,
 # and the rest of the step's chain (prologue, paged logits, top-k) where it is small: at most
 # ``CHAIN_ROWS`` tokens or rows, paged logits of at most ``CHAIN_KEYS`` entries; 2 the chain
-# at every size; 0 none. H200 (BENCHMARKS.md, "twenty-first"; step µs, level 1 without and
-# with the chain): (1, 4K) 30.7 / 30.2, (4, 16K) 45.0 / 42.7, (16, 16K) 55.6 / 54.3; the
-# chain at every size costs 3-4 µs at (64, 64K) (prologue and top-k of 64 rows) and 10-12
-# at (16, 64K) and (32, 32K) (dsa's paged logits over 1M entries).
+# at every size; 0 none. H200 (BENCHMARKS.md, "twenty-first"; a V3.2 layer's step, µs,
+# level 1 without and with the bounded chain): (1, 4K) 30.7 / 30.2, (4, 16K) 45.0 / 42.7,
+# (16, 16K) 55.6 / 54.3, (8, 64K) 69.2 / 68.4, (2, 128K) 134.8 / 132.9; the chain at every
+# size costs 3-4 µs at (64, 64K) (prologue and top-k of 64 rows) and 10-15 at (16, 64K)
+# and (32, 32K) (dsa's paged logits over 1M entries).
 PDL = int(os.environ.get("DSA_PDL", "1"))
 CHAIN_ROWS = 16
 CHAIN_KEYS = 256 * 1024
