@@ -52,7 +52,21 @@ def tile_warps(rows: int, row_block: int) -> int:
 # (16, 16K) 55.6 / 54.3, (8, 64K) 69.2 / 68.4, (2, 128K) 134.8 / 132.9; the chain at every
 # size costs 3-4 µs at (64, 64K) (prologue and top-k of 64 rows) and 10-15 at (16, 64K)
 # and (32, 32K) (dsa's paged logits over 1M entries).
-PDL = int(os.environ.get("DSA_PDL", "1"))
+PDL_LEVELS = ("0", "1", "2")
+
+
+def pdl_level(value: str | None) -> int:
+    """The level ``DSA_PDL`` asks for (None, unset: 1)."""
+    if value is None:
+        return 1
+    if value.strip() not in PDL_LEVELS:
+        raise ValueError(f"dsa: the environment's DSA_PDL must be one of {', '.join(PDL_LEVELS)} "
+                         f"(programmatic dependent launch: off, default, the whole chain), got "
+                         f"{value!r}")
+    return int(value)
+
+
+PDL = pdl_level(os.environ.get("DSA_PDL"))
 CHAIN_ROWS = 16
 CHAIN_KEYS = 256 * 1024
 

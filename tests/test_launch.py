@@ -1,0 +1,27 @@
+"""Launch helpers (dsa/ops/_launch.py): the ``DSA_PDL`` level and where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsa.ops import _launch
+
+
+@pytest.mark.parametrize(("value", "level"), [(None, 1), ("0", 0), ("1", 1), (" 2 ", 2)])
+def test_pdl_level(value, level):
+    assert _launch.pdl_level(value) == level
+
+
+@pytest.mark.parametrize("value", ["", "3", "-1", "on", "1.0"])
+def test_pdl_level_rejects_other_values(value):
+    with pytest.raises(ValueError, match=r"DSA_PDL must be one of 0, 1, 2 .*got"):
+        _launch.pdl_level(value)
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_pdl_never_on_the_cpu(monkeypatch, level):
+    monkeypatch.setattr(_launch, "PDL", level)
+    x = torch.zeros(1)
+    assert not any(_launch.pdl_enabled(x, small) for small in (None, False, True))
+    assert _launch.pdl_launch(False) == {} and _launch.pdl_launch(True) == {"launch_pdl": True}
