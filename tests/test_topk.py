@@ -300,15 +300,16 @@ def test_choose_block():
 
 
 def test_choose_sample_groups():
-    """One program per row: the sample grows with the row (about 128 keys above the k-th
-    largest), up to 2**15 keys; with parts to spill into, it stays."""
+    """The sample grows with the row (about 128 keys above the k-th largest), up to 2**15
+    keys, whatever the candidates programs per row (their candidates meet in one
+    select_cap)."""
     sizes = dict(groups=512, width=4, expect=128)
-    assert choose_sample_groups(131072, 2048, 1, **sizes) == 2048
-    assert choose_sample_groups(65536, 2048, 1, **sizes) == 1024
-    assert choose_sample_groups(32768, 2048, 1, **sizes) == 512
-    assert choose_sample_groups(131072, 2048, 4, **sizes) == 512
-    assert choose_sample_groups(1 << 24, 2048, 1, **sizes) == 8192
-    assert choose_sample_groups(1 << 20, 16, 1, **sizes) == 8192
+    assert choose_sample_groups(131072, 2048, **sizes) == 2048
+    assert choose_sample_groups(65536, 2048, **sizes) == 1024
+    assert choose_sample_groups(32768, 2048, **sizes) == 512
+    assert choose_sample_groups(4096, 2048, **sizes) == 512
+    assert choose_sample_groups(1 << 24, 2048, **sizes) == 8192
+    assert choose_sample_groups(1 << 20, 16, **sizes) == 8192
 
 
 def test_choose_select_cap():

@@ -325,15 +325,16 @@ def choose_select_cap(n_cols: int, k: int, *, row_cols: int = 8192) -> int:
     return min(MAX_SELECT_CAP, max(4096, triton.next_power_of_2(2 * k)))
 
 
-def choose_sample_groups(n_cols: int, k: int, parts: int, *, groups: int, width: int,
-                         expect: int) -> int:
-    """Groups of the threshold's sample: ``groups``, or, with one candidates program per row
-    (a row's candidates in one region of ``select_cap``: past it the row is searched
-    streamed, once per step), enough for about ``expect`` of the sample's keys above the
-    k-th largest of an ``n_cols`` row: the threshold's spread in row keys shrinks as
-    ``1 / sqrt(expect)``."""
-    if parts > 1:
-        return groups
+def choose_sample_groups(n_cols: int, k: int, *, groups: int, width: int, expect: int) -> int:
+    """Groups of the threshold's sample: at least ``groups``, and enough for about
+    ``expect`` of the sample's keys above the k-th largest of an ``n_cols`` row, up to
+    ``MAX_SELECT_CAP`` keys. The count of a row's keys above the threshold (its
+    candidates) spreads as ``1 / sqrt(expect)``; past ``select_cap`` (about 2k) the select
+    kernel streams them from the candidates' regions, several times slower. For i.i.d.
+    keys (ranks only: the count above the sample's r-th largest is Beta distributed) and
+    the default margin, a row overflows 2k with probability 0.14 at 32 keys expected above
+    the k-th (512 groups of 4 over 128K columns), 0.6 at 16 (256K), 0.97 at 4 (1M), 2e-3 at
+    64 (64K) and below 1e-6 at 128."""
     enough = triton.next_power_of_2(max(1, -(-expect * n_cols // (k * width))))
     return max(groups, min(enough, MAX_SELECT_CAP // width))
 
@@ -390,10 +391,9 @@ class Tuning:
         (no candidates pass); with at least ``scale_rows`` rows, ``scale_row_cols`` (there
         the GPU is full and the search's work per row counts, not its latency).
     sample_groups, sample_width: the threshold's sample (``sample_groups * sample_width <=
-        2**15``), grown with one candidates program per row to about ``sample_expect`` keys
-        above the k-th largest (:func:`choose_sample_groups`); margin: the threshold sits
-        ``margin`` standard deviations of the sample count below the estimated k-th
-        largest.
+        2**15``), grown to about ``sample_expect`` keys above the k-th largest
+        (:func:`choose_sample_groups`); margin: the threshold sits ``margin`` standard
+        deviations of the sample count below the estimated k-th largest.
     num_warps: the candidates pass; early_load: its first block's load is issued before
         the threshold's search (in flight during it). target_programs, min_part_cols,
         max_parts: its programs per row (:func:`choose_parts`). many_rows: the select
@@ -482,7 +482,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     if select_cap is None:
         row_cols = tune.row_cols if rows < tune.scale_rows else tune.scale_row_cols
         select_cap = choose_select_cap(n_cols, k, row_cols=row_cols)
-    sample_groups = choose_sample_groups(n_cols, k, parts, groups=sample_groups,
+    sample_groups = choose_sample_groups(n_cols, k, groups=sample_groups,
                                          width=sample_width, expect=tune.sample_expect)
     if select_warps is None:
         select_warps = choose_select_warps(rows, n_cols, select_cap, many_rows=tune.many_rows,
