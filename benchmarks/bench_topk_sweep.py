@@ -72,8 +72,9 @@ VARIANTS: dict[str, dict] = {
     "quintisect": dict(search="quintisect"),
     "radix": dict(search="radix"),
     "radix4": dict(search="radix4"),
-    "early-load": dict(early_load=True),
-    "radix+early-load": dict(search="radix", early_load=True),
+    "late-load": dict(early_load=False),
+    "radix+late-load": dict(search="radix", early_load=False),
+    "sample-width4": dict(sample_width=4),
     # more candidates than select_cap (about 3100 for k = 2048 at the long shapes, 4300-5200
     # with margin 12): the search streams them from the parts' regions; margin -100 (fewer
     # than k) streams the whole row, the fallback the others had before

@@ -221,8 +221,9 @@ def test_launch_variants_interpreted(search, case, parts, block, cap, margin, bf
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test")
 @pytest.mark.interpret
-@pytest.mark.parametrize("variant", [*({"search": s} for s in SEARCH_NAMES), {"early_load": True}],
-                         ids=[*SEARCH_NAMES, "early_load"])
+@pytest.mark.parametrize("variant", [*({"search": s} for s in SEARCH_NAMES), {"early_load": False},
+                                     {"sample_width": 4}],
+                         ids=[*SEARCH_NAMES, "late_load", "sample_width4"])
 @pytest.mark.parametrize("margin", [-100.0, 4.0, 1e9])
 def test_sampled_threshold_paths(margin, variant):
     """Long rows through the candidates pass: kept (margin 4) or the streamed search
@@ -521,7 +522,7 @@ def test_gpu_launch_variants(parts, kind):
                     dict(parts=parts, row_cols=65536, select_cap=32768),
                     *(dict(parts=parts, search=search) for search in SEARCH_NAMES),
                     *(dict(parts=parts, margin=-100.0, search=search) for search in SEARCH_NAMES),
-                    dict(parts=parts, early_load=True), dict(parts=parts, margin=12.0),
+                    dict(parts=parts, early_load=False), dict(parts=parts, margin=12.0),
                     dict(parts=parts, select_warps=4, select_regs=128, candidates_regs=96),
                     *(dict(parts=parts, select_cap=2048, streamed_search=search)
                       for search in SEARCH_NAMES)):
