@@ -75,6 +75,8 @@ VARIANTS: dict[str, dict] = {
     "late-load": dict(early_load=False),
     "radix+late-load": dict(search="radix", early_load=False),
     "sample-width4": dict(sample_width=4),
+    # before 2026-12-03 (twenty-third): 512 groups of 4 keys, the first block loaded late
+    "sample512x4+late-load": dict(sample_groups=512, sample_width=4, early_load=False),
     # more candidates than select_cap (about 3100 for k = 2048 at the long shapes, 4300-5200
     # with margin 12): the search streams them from the parts' regions; margin -100 (fewer
     # than k) streams the whole row, the fallback the others had before
@@ -90,7 +92,7 @@ VARIANTS: dict[str, dict] = {
     "cap8192": dict(select_cap=8192),
     # the threshold's sample at 512 groups of 4 whatever the row's length (before 2026-12-03
     # with several candidates programs a row): about 32 keys above the k-th at 128K columns
-    "sample512": dict(sample_expect=0),
+    "sample512": dict(sample_groups=512, sample_width=4, sample_expect=0),
 }
 QUICK = ("default",)
 OVERFLOW = ("default", *(name for name in VARIANTS

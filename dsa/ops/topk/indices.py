@@ -426,8 +426,10 @@ class Tuning:
     row_cols: int = 8192
     scale_rows: int = 1024
     scale_row_cols: int = 4096
-    sample_groups: int = 512  # H200: 28.5 µs vs 31.0 at 64x64K (bench_topk_sweep)
-    sample_width: int = 8  # H200, with early_load: 22.6 µs vs 23.5 at 64x64K (width 4)
+    # 256 groups of 8 keys (a 32-byte sector a group for fp32; more where the row is longer
+    # than 64K); H200, with early_load: 22.6 µs vs 23.5 at 64x64K (512 groups of 4)
+    sample_groups: int = 256
+    sample_width: int = 8
     sample_expect: int = 128
     margin: float = 4.0
     num_warps: int = 4  # H200: 27.0 µs vs 28.5 at 64x64K, 28.6 vs 30.5 at 128x32K (8 warps)
