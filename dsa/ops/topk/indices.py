@@ -426,8 +426,9 @@ class Tuning:
     row_cols: int = 8192
     scale_rows: int = 1024
     scale_row_cols: int = 4096
-    # 256 groups of 8 keys (a 32-byte sector a group for fp32; more where the row is longer
-    # than 64K); H200, with early_load: 22.6 µs vs 23.5 at 64x64K (512 groups of 4)
+    # 256 groups of 8 keys (a 32-byte sector a group for fp32; grown past 32K columns). H200
+    # with early_load, fused op, mean of 4 cases (bench_topk_sweep): 22.5 µs at 64x64K, 21.1
+    # at 128x32K, 20.8 at 2x128K against 23.3, 22.0, 22.8 with 512 groups of 4, late load
     sample_groups: int = 256
     sample_width: int = 8
     sample_expect: int = 128
