@@ -63,6 +63,9 @@ VARIANTS: dict[str, dict] = {
     "programs512": dict(target_programs=512),
     "programs512+warps8": dict(target_programs=512, num_warps=8),
     "groups1024": dict(sample_groups=1024),
+    # the sample's floor down to 64 groups: rows of 8K-16K columns sample only the ~128 keys
+    # above the k-th they need (512-1024 keys instead of 2048); longer rows are unchanged
+    "groups64": dict(sample_groups=64),
     "margin3": dict(margin=3.0),
     "block2048": dict(block=2048),
     "no-preload": dict(preload_rows=0),
