@@ -216,9 +216,10 @@ def fp8_weights(args: tuple, ue8m0: bool) -> tuple[tuple, tuple]:
 def test_partial_sums_stay_inside_weight_blocks():
     """A program's columns and a step's elements share one fp8 block's scale."""
     for tokens in (1, 2, 64, 65, KERNEL_TOKENS):
-        plan = project.partials_plan(tokens, fp8_q=True)
-        for size in (project.COLS, plan.q_cols, plan.step):
-            assert block_fp8.BLOCK % size == 0
+        for fp8_q, fp8_k in ((True, True), (True, False), (False, True)):
+            plan = project.partials_plan(tokens, fp8_q, fp8_k)
+            for size in (project.COLS, plan.q_cols, plan.step):
+                assert block_fp8.BLOCK % size == 0
 
 
 @pytest.mark.parametrize("face", ["cpu", pytest.param("kernel", marks=pytest.mark.interpret)])

@@ -81,9 +81,12 @@ from dsa.ops.quant import (
 KERNEL_TOKENS = 512
 SMALL_TOKENS = 1
 # Columns of wk and weights_proj a program multiplies (every T) and, up to SMALL_TOKENS, of
-# wq_b; up to SMALL_TOKENS: inner-dim elements per step, steps of a hidden-dim and a
-# q_lora-dim slice, warps.
-COLS, STEP, HIDDEN_STEPS, Q_STEPS, PARTIALS_WARPS = 32, 128, 4, 2, 4
+# wq_b (twice as many with fp8 wq_b).
+COLS = 32
+# Up to SMALL_TOKENS, (inner-dim elements per step, steps of a hidden-dim slice, of a
+# q_lora-dim slice, warps) with 16-bit weights and with fp8 ones (a step inside a block of
+# scales; fp8 wq_b: slices of one step).
+ONE_TOKEN_16BIT, ONE_TOKEN_FP8 = (256, 2, 1, 8), (128, 4, 2, 4)
 # Above SMALL_TOKENS: inner-dim elements per step (64: a program of 64 tokens holds its
 # operands in registers without spilling), steps of a hidden-dim slice, columns of wq_b per
 # program; tokens, warps and q_lora-dim slice steps of a program by T (partials_plan).
@@ -111,19 +114,23 @@ class PartialsPlan(NamedTuple):
     warps: int
 
 
-def partials_plan(tokens: int, fp8_q: bool = False) -> PartialsPlan:
+def partials_plan(tokens: int, fp8_q: bool = False, fp8_k: bool = False) -> PartialsPlan:
     """The partial-sums launch of a call of ``tokens`` tokens. Above SMALL_TOKENS, H200
     (77f4233, one call after an L2 flush; BENCHMARKS.md, "Session of 2026-12-01, eighth"):
     up to 64 tokens one tile of 4 warps, the q_lora dim in two slices (21.2 against 24.9
     us at T = 8, 24.3 against 28.8 at T = 64); above, tiles of 128 tokens in 8 warps, the
     q_lora dim whole (33.8 against 34.6 us at T = 128, 49.3 against 51.1 at T = 256).
-    fp8 ``wq_b`` at one token: as many bytes a step in twice the columns, and q_lora slices
-    of one step (the op in a graph, flushed: 10.6 / 10.7 against 11.3 / 11.4 us in two runs;
-    BENCHMARKS.md, "fourteenth")."""
+    One token, 16-bit weights: steps of 256 elements, slices of 512 (hidden) and 256
+    (q_lora), 8 warps (a V3.2 layer's step at (1, 4K), µs, min / median of seven, two runs:
+    29.31 / 29.38 and 29.86 / 30.02 against 29.79 / 29.89 and 30.14 / 30.18 for steps of
+    128 in 4 warps; BENCHMARKS.md, "twenty-fourth"). fp8 weights (``fp8_q``: ``wq_b``,
+    ``fp8_k``: ``wk``) take steps of 128, inside a block of scales; fp8 ``wq_b`` as many
+    bytes a step in twice the columns, and q_lora slices of one step (the op in a graph,
+    flushed: 10.6 / 10.7 against 11.3 / 11.4 us in two runs; BENCHMARKS.md, "fourteenth")."""
     if tokens <= SMALL_TOKENS:
-        return PartialsPlan(triton.next_power_of_2(tokens), False, STEP, HIDDEN_STEPS,
-                            1 if fp8_q else Q_STEPS, 2 * COLS if fp8_q else COLS,
-                            PARTIALS_WARPS)
+        step, hidden_steps, q_steps, warps = ONE_TOKEN_FP8 if fp8_q or fp8_k else ONE_TOKEN_16BIT
+        return PartialsPlan(triton.next_power_of_2(tokens), False, step, hidden_steps,
+                            1 if fp8_q else q_steps, 2 * COLS if fp8_q else COLS, warps)
     if tokens <= 64:
         return PartialsPlan(max(16, triton.next_power_of_2(tokens)), True, TILE_STEP,
                             TILE_HIDDEN_STEPS, 12, TILE_Q_COLS, 4)
@@ -554,7 +561,7 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
                          f"{KERNEL_TOKENS} tokens, got {n.tokens}")
     if n.tokens == 0:
         return
-    plan = partials_plan(n.tokens, wq_b_scale is not None)
+    plan = partials_plan(n.tokens, wq_b_scale is not None, wk_scale is not None)
     h_slices = triton.cdiv(n.width, plan.hidden_steps * plan.step)
     q_slices = triton.cdiv(n.q_width, plan.q_steps * plan.step)
     h_blocks = triton.cdiv(n.head_dim, COLS) + triton.cdiv(n.heads, COLS)
