@@ -353,7 +353,7 @@ SEARCHES = {"trisect": (0, 2), "quintisect": (0, 4), "radix": (8, 2), "radix4": 
 
 
 # Tuning.candidates_regs / select_regs for None with at least Tuning.scale_rows rows
-CANDIDATES_REGS, SELECT_REGS = 96, 128
+CANDIDATES_REGS, SELECT_REGS = 96, 80
 
 
 def _regs(maxnreg: int | None, full: int, rows: int, scale_rows: int) -> dict[str, int]:
@@ -408,13 +408,16 @@ class Tuning:
         (None: ``search``), where a pass costs reads and fewer passes win.
     candidates_regs, select_regs: registers per thread the compiler may use in the
         candidates pass and the select kernel (Triton's ``maxnreg``; 0: its own choice;
-        None: 96 and 128 with at least ``scale_rows`` rows, its own choice below). Fewer
+        None: 96 and 80 with at least ``scale_rows`` rows, its own choice below). Fewer
         registers leave room for more programs per SM, which a GPU full of rows (prefill)
         needs more than each program's speed. H200 (a9234ab, ms): 4096 causal rows of 128K
         columns, candidates 1.95 -> 1.41 (96); 16K causal rows of 8K, select 0.395 -> 0.295
         (128, 4 warps); 64 rows of 64K, candidates 0.017 -> 0.025 (128), select 0.020 ->
-        0.037 (128, 4 warps), so not below ``scale_rows``. torch.compile keeps the caps
-        (the launch keyword reaches the kernel: 1.41 ms compiled as eager, at 40a20ff).
+        0.037 (128, 4 warps), so not below ``scale_rows``. The select at 80 against 128
+        (bench_prefill's chunks, top-k summed, ms): 1.00 / 1.11 at 4x8K, 1.82 / 1.96 at
+        1x32K, 20.6 / 21.2 at 1x128K (64: 1.03, 1.93, 21.1; 96: 1.02, 1.83, 20.8).
+        torch.compile keeps the caps (the launch keyword reaches the kernel: 1.41 ms
+        compiled as eager, at 40a20ff).
     preload_rows: with at most this many rows read whole (and no starts), a row's load is
         issued before its length is known (the latency of one read fewer; more rows hide
         it anyway, and the load reads past short lengths). finish_block: step of the rows
