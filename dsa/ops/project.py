@@ -86,7 +86,7 @@ COLS = 32
 # Up to SMALL_TOKENS, (inner-dim elements per step, steps of a hidden-dim slice, of a
 # q_lora-dim slice, warps) with 16-bit weights and with fp8 ones (a step inside a block of
 # scales; fp8 wq_b: slices of one step).
-ONE_TOKEN_16BIT, ONE_TOKEN_FP8 = (256, 2, 1, 8), (128, 4, 2, 4)
+ONE_TOKEN_16BIT, ONE_TOKEN_FP8 = (256, 2, 1, 8), (WEIGHT_BLOCK, 4, 2, 4)
 # Above SMALL_TOKENS: inner-dim elements per step (64: a program of 64 tokens holds its
 # operands in registers without spilling), steps of a hidden-dim slice, columns of wq_b per
 # program; tokens, warps and q_lora-dim slice steps of a program by T (partials_plan).
