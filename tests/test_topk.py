@@ -523,7 +523,7 @@ def test_gpu_launch_variants(parts, kind):
                     *(dict(parts=parts, search=search) for search in SEARCH_NAMES),
                     *(dict(parts=parts, margin=-100.0, search=search) for search in SEARCH_NAMES),
                     dict(parts=parts, early_load=False), dict(parts=parts, margin=12.0),
-                    dict(parts=parts, sample_width=4), dict(parts=parts, sample_groups=64),
+                    dict(parts=parts, sample_width=4),
                     dict(parts=parts, select_warps=4, select_regs=128, candidates_regs=96),
                     *(dict(parts=parts, select_cap=2048, streamed_search=search)
                       for search in SEARCH_NAMES)):
