@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 from torch.library import wrap_triton
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from triton.compiler import CompiledKernel
@@ -69,6 +70,8 @@ def pdl_level(value: str | None) -> int:
 PDL = pdl_level(os.environ.get("DSA_PDL"))
 CHAIN_ROWS = 16
 CHAIN_KEYS = 256 * 1024
+EARLY_ROWS = 1
+EARLY_KEYS = 1 << 40
 
 
 def pdl_enabled(x: torch.Tensor, small: bool | None = None) -> bool:
@@ -79,6 +82,30 @@ def pdl_enabled(x: torch.Tensor, small: bool | None = None) -> bool:
     wanted = PDL >= 1 if small is None else PDL >= 2 or (PDL == 1 and small)
     return (wanted and x.is_cuda and not is_in_torch_dispatch_mode()
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def chain_pdl(x: torch.Tensor, small: bool, rows: int, keys: int = 0) -> int:
+    """The ``PDL`` constexpr of a kernel of the step's chain (see :func:`pdl_chain_wait`) over
+    ``rows`` tokens or rows and ``keys`` logits entries: 0 without programmatic dependent
+    launch (:func:`pdl_enabled` with ``small``), 2 where the chain is at most ``EARLY_ROWS``
+    rows of at most ``EARLY_KEYS`` entries, else 1."""
+    if not pdl_enabled(x, small):
+        return 0
+    return 2 if rows <= EARLY_ROWS and keys <= EARLY_KEYS else 1
+
+
+@triton.jit
+def pdl_chain_wait(PDL: tl.constexpr):
+    """A chain kernel's start: 1 waits for the kernel before it, then lets its dependents
+    start; 2 lets them start first (they still wait for its end, which comes after its
+    wait). Starting the dependents first helps only a tiny chain: where a kernel of it takes
+    many programs, the dependents' waiting programs hold the SMs it needs."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif PDL == 1:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def pdl_launch(pdl: bool) -> dict[str, bool]:

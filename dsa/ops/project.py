@@ -41,7 +41,16 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import check_size, check_tensor
-from dsa.ops._launch import CHAIN_ROWS, launch, pdl_enabled, pdl_launch, row_tile, tile_warps
+from dsa.ops._launch import (
+    CHAIN_ROWS,
+    chain_pdl,
+    launch,
+    pdl_chain_wait,
+    pdl_enabled,
+    pdl_launch,
+    row_tile,
+    tile_warps,
+)
 from dsa.ops._registry import dsa_op
 from dsa.ops.block_fp8 import BLOCK as WEIGHT_BLOCK
 from dsa.ops.block_fp8 import check_block_fp8, dequantize
@@ -534,9 +543,7 @@ def _prologue_kernel(hpart_ptr, qpart_ptr, tokens, q_programs, nw_ptr, nb_ptr, e
                      ROPE_DIM: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr,
                      UE8M0: tl.constexpr, PDL: tl.constexpr):
     """The first ``q_programs`` programs: :func:`_q_rows`; then one per token: :func:`_k_token`."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_chain_wait(PDL)
     pid = tl.program_id(0)
     if pid < q_programs:
         _q_rows(pid, hpart_ptr, qpart_ptr, tokens, q_out_ptr, hw_ptr, cs_ptr, pos_ptr, max_pos,
@@ -569,7 +576,7 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
     f32 = {"dtype": torch.float32, "device": hidden.device}
     hpart = torch.empty(h_slices, n.tokens, n.head_dim + n.heads, **f32)
     qpart = torch.empty(q_slices, n.tokens, n.heads * n.head_dim, **f32)
-    pdl, chain = pdl_enabled(hidden), pdl_enabled(hidden, n.tokens <= CHAIN_ROWS)
+    pdl, chain = pdl_enabled(hidden), chain_pdl(hidden, n.tokens <= CHAIN_ROWS, n.tokens)
     launch(_partials_kernel,
            (h_slices * h_blocks + q_slices * q_blocks, triton.cdiv(n.tokens, plan.tokens)),
            hidden, *hidden.stride(), q_latent, *q_latent.stride(), wk, *wk.stride(),
@@ -596,7 +603,7 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            BLOCK_R=block_r, H_SLICES=h_slices, Q_SLICES=q_slices,
            VALUE_STRIDE=values.stride(0), SCALE_STRIDE=scales.stride(0), BS=block_size,
            UE8M0=ue8m0, num_warps=tile_warps(block_r, block_d), PDL=chain,
-           **rope_constexprs(n.head_dim, cos_sin, hadamard), **pdl_launch(chain))
+           **rope_constexprs(n.head_dim, cos_sin, hadamard), **pdl_launch(chain > 0))
 
 
 def _scale_args(scale: Tensor | None, weight: Tensor) -> tuple[Tensor, int, int]:

@@ -29,7 +29,7 @@ from dsa.ops._checks import (
     check_size,
     check_tensor,
 )
-from dsa.ops._launch import CHAIN_KEYS, launch, pdl_enabled, pdl_launch
+from dsa.ops._launch import CHAIN_KEYS, chain_pdl, launch, pdl_chain_wait, pdl_launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.kcache import SCALE_BYTES, check_kv_cache, kcache_views, padded_block_table
 from dsa.ops.logits import deepgemm
@@ -278,9 +278,7 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
                          TILE: tl.constexpr, SPLIT_ROWS: tl.constexpr,
                          SCALES_AHEAD: tl.constexpr, TMA: tl.constexpr,
                          DIRECT_STORE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_chain_wait(PDL)
     split = tl.program_id(0)
     b = tl.program_id(1)
     # The request's next_n rows: context lengths (clamped to the output width).
@@ -398,7 +396,8 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
     hp = max(triton.next_power_of_2(num_heads), 16 if config.split_rows else triton.cdiv(16, np_))
     num_tiles = triton.cdiv(max_context_len, config.tile)
     grid = (triton.cdiv(num_tiles, config.tiles_per_program), batch)
-    pdl = pdl_enabled(q_fp8, batch * next_n * max_context_len <= CHAIN_KEYS)
+    keys = batch * next_n * max_context_len
+    pdl = chain_pdl(q_fp8, keys <= CHAIN_KEYS, batch * next_n, keys)
     launch(_paged_logits_kernel, grid,
         q_fp8, values, k_desc, scales, weights, weights.stride(0), weights.stride(1),
         context_lens, block_table, block_table.stride(0), out, out.stride(0), block_table.shape[1],
@@ -409,7 +408,7 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
         SPLIT_ROWS=config.split_rows, SCALES_AHEAD=config.scales_ahead,
         TMA=k_desc is not None, DIRECT_STORE=config.direct_store and _on_nvidia_gpu(q_fp8),
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl,
-        **pdl_launch(pdl),
+        **pdl_launch(pdl > 0),
     )
     return out
 

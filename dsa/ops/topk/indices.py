@@ -46,7 +46,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, check_int, check_tensor
-from dsa.ops._launch import CHAIN_ROWS, launch, pdl_enabled, pdl_launch
+from dsa.ops._launch import CHAIN_ROWS, chain_pdl, launch, pdl_chain_wait, pdl_launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.topk.select import (
     INT_MIN,
@@ -188,9 +188,7 @@ def _candidates_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr
     sample, then the part's keys >= T with their output indices (one int64: key in the
     high half) into its region of ``CAP`` entries, and their count (it may exceed CAP).
     EARLY_LOAD: the part's first block is loaded before the threshold is searched."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_chain_wait(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
     lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
@@ -238,9 +236,7 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
     logits (fp32) are written too, -inf past the valid ones. With SLOTS, the row's indices
     are then read back and written as cache slots (``indices_to_slots`` of the row).
     STREAM_RADIX, STREAM_PIVOTS: the streamed searches' RADIX and PIVOTS."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_chain_wait(PDL)
     row = tl.program_id(0)
     row_ptr = logits_ptr + unaligned_offset(row, stride_row)
     j = tile(CAP // C, C)
@@ -506,9 +502,9 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     head = (logits, logits.stride(0), lengths, lengths if starts is None else starts)
     radix, pivots = SEARCHES[tune.search]
     stream_radix, stream_pivots = SEARCHES[streamed_search]
-    pdl = pdl_enabled(logits, rows <= CHAIN_ROWS)
+    pdl = chain_pdl(logits, rows <= CHAIN_ROWS, rows, rows * n_cols)
     flags = dict(HAS_STARTS=starts is not None, RADIX=radix, PIVOTS=pivots, PDL=pdl,
-                 **pdl_launch(pdl))
+                 **pdl_launch(pdl > 0))
     # per (row, part): select_cap packed candidates, then the counts
     cand = torch.empty(rows * parts * select_cap, dtype=torch.int64, device=logits.device)
     counts = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
