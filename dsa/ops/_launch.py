@@ -52,7 +52,11 @@ def tile_warps(rows: int, row_block: int) -> int:
 # level 1 without and with the bounded chain): (1, 4K) 30.7 / 30.2, (4, 16K) 45.0 / 42.7,
 # (16, 16K) 55.6 / 54.3, (8, 64K) 69.2 / 68.4, (2, 128K) 134.8 / 132.9; the chain at every
 # size costs 3-4 µs at (64, 64K) (prologue and top-k of 64 rows) and 10-15 at (16, 64K)
-# and (32, 32K) (dsa's paged logits over 1M entries).
+# and (32, 32K) (dsa's paged logits over 1M entries). A chain of one row lets each kernel's
+# dependents start before it waits (``chain_pdl``; H200, BENCHMARKS.md, "twenty-sixth", µs
+# waiting first / starting them first): (1, 4K) 29.50 / 29.44, (1, 16K) 37.44 / 37.12,
+# (1, 128K) 54.62 / 53.90; with more rows the waiting programs of the dependents cost
+# (2, 16K) 39.68 / 42.30 and (4, 16K) 41.54 / 48.38.
 PDL_LEVELS = ("0", "1", "2")
 
 
