@@ -75,7 +75,6 @@ PDL = pdl_level(os.environ.get("DSA_PDL"))
 CHAIN_ROWS = 16
 CHAIN_KEYS = 256 * 1024
 EARLY_ROWS = 1
-EARLY_KEYS = 1 << 40
 
 
 def pdl_enabled(x: torch.Tensor, small: bool | None = None) -> bool:
@@ -88,14 +87,13 @@ def pdl_enabled(x: torch.Tensor, small: bool | None = None) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
-def chain_pdl(x: torch.Tensor, small: bool, rows: int, keys: int = 0) -> int:
+def chain_pdl(x: torch.Tensor, small: bool, rows: int) -> int:
     """The ``PDL`` constexpr of a kernel of the step's chain (see :func:`pdl_chain_wait`) over
-    ``rows`` tokens or rows and ``keys`` logits entries: 0 without programmatic dependent
-    launch (:func:`pdl_enabled` with ``small``), 2 where the chain is at most ``EARLY_ROWS``
-    rows of at most ``EARLY_KEYS`` entries, else 1."""
+    ``rows`` tokens or rows: 0 without programmatic dependent launch (:func:`pdl_enabled`
+    with ``small``), 2 where they are at most ``EARLY_ROWS``, else 1."""
     if not pdl_enabled(x, small):
         return 0
-    return 2 if rows <= EARLY_ROWS and keys <= EARLY_KEYS else 1
+    return 2 if rows <= EARLY_ROWS else 1
 
 
 @triton.jit

@@ -396,8 +396,7 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
     hp = max(triton.next_power_of_2(num_heads), 16 if config.split_rows else triton.cdiv(16, np_))
     num_tiles = triton.cdiv(max_context_len, config.tile)
     grid = (triton.cdiv(num_tiles, config.tiles_per_program), batch)
-    keys = batch * next_n * max_context_len
-    pdl = chain_pdl(q_fp8, keys <= CHAIN_KEYS, batch * next_n, keys)
+    pdl = chain_pdl(q_fp8, batch * next_n * max_context_len <= CHAIN_KEYS, batch * next_n)
     launch(_paged_logits_kernel, grid,
         q_fp8, values, k_desc, scales, weights, weights.stride(0), weights.stride(1),
         context_lens, block_table, block_table.stride(0), out, out.stride(0), block_table.shape[1],

@@ -502,7 +502,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     head = (logits, logits.stride(0), lengths, lengths if starts is None else starts)
     radix, pivots = SEARCHES[tune.search]
     stream_radix, stream_pivots = SEARCHES[streamed_search]
-    pdl = chain_pdl(logits, rows <= CHAIN_ROWS, rows, rows * n_cols)
+    pdl = chain_pdl(logits, rows <= CHAIN_ROWS, rows)
     flags = dict(HAS_STARTS=starts is not None, RADIX=radix, PIVOTS=pivots, PDL=pdl,
                  **pdl_launch(pdl > 0))
     # per (row, part): select_cap packed candidates, then the counts
