@@ -27,6 +27,7 @@ from strategies import dcp_configs, decode_batches
 
 import dsa
 import dsa.meta.decode
+import dsa.ops._tokens
 from dsa.meta.batch import Batch
 from dsa.ops.logits import deepgemm
 
@@ -215,6 +216,22 @@ def test_decode_metadata_wide_table(face):
                       native=False, block_size=2, num_blocks=2500, max_context_len=2060,
                       deepgemm=True)
     check_fused(face, args)
+
+
+@KERNEL_MARK
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("pairs", [0, 8192])
+def test_decode_metadata_kernel_request_lookups(monkeypatch, native, pairs):
+    """The tokens' requests by binary search (no pairs to compare) and by one read of
+    ``query_start_loc`` (an empty request, a padding token, a request of three tokens)."""
+    monkeypatch.setattr(dsa.ops._tokens, "LOOKUP_PAIRS", pairs)
+    rng = torch.Generator().manual_seed(3)
+    table = torch.randperm(40, generator=rng)[:20].view(5, 4).to(torch.int32)
+    args = fused_args(query_start_loc=i32([0, 2, 2, 5, 6, 7]), seq_lens=i32([9, 0, 14, 3, 8]),
+                      block_table=table, positions=torch.tensor([7, 8, 11, 12, 13, 2, 7, 0]),
+                      slot_mapping=torch.arange(8), native=native, next_n=3, num_blocks=40,
+                      block_size=4, max_context_len=16, max_model_len=64, deepgemm=True)
+    check_fused("kernel", args)
 
 
 @pytest.mark.gpu

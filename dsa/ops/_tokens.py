@@ -36,24 +36,46 @@ def search_steps(num_reqs: int) -> int:
     return max(num_reqs, 0).bit_length()
 
 
+# (token, request) pairs a program may compare at once to look its tokens up in one read of
+# ``query_start_loc`` instead of a binary search (a load per step, one after another).
+LOOKUP_PAIRS = 8192
+
+
+def lookup_requests(num_reqs: int, lookups: int) -> int:
+    """``REQS`` of :func:`request_of` for a program looking up ``lookups`` tokens at a time:
+    the requests' power-of-two cover when the pairs fit ``LOOKUP_PAIRS``, else 0 (search)."""
+    reqs = triton.next_power_of_2(max(num_reqs, 1))
+    return reqs if reqs * triton.next_power_of_2(max(lookups, 1)) <= LOOKUP_PAIRS else 0
+
+
 @triton.jit
-def request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS: tl.constexpr):
-    """Vectorised binary search: for each token in ``t``, the largest ``r <= num_reqs`` with
-    ``qsl[r] <= t``. Every probe stays inside ``qsl[0 .. num_reqs]``."""
-    lo = tl.zeros_like(t)
-    hi = lo + num_reqs
-    for _ in tl.static_range(SEARCH_STEPS):
-        mid = (lo + hi + 1) // 2
-        ok = tl.load(qsl_ptr + mid) <= t
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
+def request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS: tl.constexpr, REQS: tl.constexpr = 0):
+    """For each token in ``t`` (a 1-d block), the largest ``r <= num_reqs`` with
+    ``qsl[r] <= t``: a vectorised binary search (SEARCH_STEPS loads, one after another), or
+    with REQS (a power of two >= num_reqs) a count of the ends ``qsl[1 .. num_reqs]`` <= t
+    from one load (the same request for non-decreasing ``qsl``). Every load stays inside
+    ``qsl[0 .. num_reqs]``."""
+    if REQS:
+        r = 1 + tl.arange(0, REQS)
+        ends = tl.load(qsl_ptr + r, mask=r <= num_reqs, other=0)
+        before = (ends[None, :] <= t[:, None]) & (r <= num_reqs)[None, :]
+        lo = tl.sum(before.to(t.dtype), axis=1)
+    else:
+        lo = tl.zeros_like(t)
+        hi = lo + num_reqs
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi + 1) // 2
+            ok = tl.load(qsl_ptr + mid) <= t
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
     return lo
 
 
 @triton.jit
-def token_offset(qsl_ptr, t, in_range, num_reqs, SEARCH_STEPS: tl.constexpr):
+def token_offset(qsl_ptr, t, in_range, num_reqs, SEARCH_STEPS: tl.constexpr,
+                 REQS: tl.constexpr = 0):
     """For tokens ``t``: (request, whether the token is real, ``t - end`` of its request)."""
-    req = request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS)
+    req = request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS, REQS)
     real = in_range & (req < num_reqs)
     end = tl.load(qsl_ptr + req + 1, mask=real, other=0)
     return req, real, t - end

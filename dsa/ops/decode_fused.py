@@ -42,7 +42,7 @@ from dsa.ops._checks import (
 )
 from dsa.ops._launch import block_for, pdl_enabled
 from dsa.ops._registry import dsa_op
-from dsa.ops._tokens import request_of, search_steps
+from dsa.ops._tokens import lookup_requests, request_of, search_steps
 from dsa.ops.dcp import local_share, local_share_tl
 from dsa.ops.decode_meta import (
     capped_lens,
@@ -183,9 +183,9 @@ def selection_lens(lens: Tensor, valid_tokens: Tensor) -> Tensor:
 
 @triton.jit
 def _token_valid(qsl_ptr, positions_ptr, t, t_ok, num_reqs, max_model_len,
-                 SEARCH_STEPS: tl.constexpr):
+                 SEARCH_STEPS: tl.constexpr, REQS: tl.constexpr):
     """Requests of the tokens ``t`` (where ``t_ok``) and whether each is a valid token."""
-    requests = row_requests_tl(qsl_ptr, t, num_reqs, SEARCH_STEPS)
+    requests = row_requests_tl(qsl_ptr, t, num_reqs, SEARCH_STEPS, REQS)
     positions = tl.load(positions_ptr + t, mask=t_ok, other=-1)
     return requests, t_ok & valid_tokens_tl(requests, positions, num_reqs, max_model_len)
 
@@ -198,12 +198,13 @@ def _decode_metadata_kernel(
     slots_out_ptr, num_reqs, num_rows, num_tokens, width, world, rank, interleave, num_blocks,
     max_context_len, max_model_len,
     NATIVE: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, RATIO: tl.constexpr,
-    DEEPGEMM: tl.constexpr, BS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    DEEPGEMM: tl.constexpr, BS: tl.constexpr, SEARCH_STEPS: tl.constexpr, REQS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (p, c): columns block c of logits row p's block table; with c == 0 also row
-    p's lengths and the token block p. PDL: a kernel launched after it with programmatic
-    dependent launch may start at once (it waits before it reads these outputs)."""
+    p's lengths and the token block p. Tokens' requests: ``request_of`` with SEARCH_STEPS
+    and REQS. PDL: a kernel launched after it with programmatic dependent launch may start
+    at once (it waits before it reads these outputs)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
@@ -214,7 +215,7 @@ def _decode_metadata_kernel(
         src = row
         src_ok = row_ok
     else:
-        src = request_of(qsl_ptr, row, num_reqs, SEARCH_STEPS)
+        src = request_of(qsl_ptr, row, num_reqs, SEARCH_STEPS, REQS)
         src_ok = row_ok & (src < num_reqs)
     col = c * BLOCK_C + tl.arange(0, BLOCK_C)
     entries = table_rows_tl(table_ptr, table_stride, src, src_ok, col, width)
@@ -232,7 +233,7 @@ def _decode_metadata_kernel(
             global_lens = tl.where(slot_ok, native_lens_tl(seq, j, N), 0)
         else:
             global_lens, _, _ = token_lens_tl(qsl_ptr, seq_lens_ptr, p + j, slot_ok, num_reqs,
-                                              SEARCH_STEPS)
+                                              SEARCH_STEPS, REQS)
         global_lens = global_lens // RATIO
         local = local_share_tl(global_lens, world, rank, interleave)
         row_ptr = table_ptr + tl.max(src, axis=0).to(tl.int64) * table_stride
@@ -243,13 +244,13 @@ def _decode_metadata_kernel(
         if DEEPGEMM:
             tl.store(clamped_ptr + out, tl.maximum(lens, 1), mask=slot_ok)
         _, out_valid = _token_valid(qsl_ptr, positions_ptr, out, slot_ok & (out < num_tokens),
-                                    num_reqs, max_model_len, SEARCH_STEPS)
+                                    num_reqs, max_model_len, SEARCH_STEPS, REQS)
         tl.store(select_ptr + out, tl.where(out_valid, lens, 0), mask=slot_ok)
 
         t = p * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < num_tokens
         requests, valid = _token_valid(qsl_ptr, positions_ptr, t, t_ok, num_reqs, max_model_len,
-                                       SEARCH_STEPS)
+                                       SEARCH_STEPS, REQS)
         slots = tl.load(slots_ptr + t, mask=t_ok, other=-1)
         tl.store(requests_ptr + t, requests, mask=t_ok)
         tl.store(valid_ptr + t, valid, mask=t_ok)
@@ -275,6 +276,7 @@ def _decode_metadata_cuda(*args: object) -> tuple[Tensor, ...]:
             a.max_context_len, a.max_model_len, NATIVE=a.native, N=slots_per_row,
             NP=triton.next_power_of_2(slots_per_row), RATIO=a.compress_ratio,
             DEEPGEMM=a.deepgemm, BS=a.block_size, SEARCH_STEPS=search_steps(num_reqs),
+            REQS=lookup_requests(num_reqs, max(block_t, slots_per_row)),
             BLOCK_T=block_t, BLOCK_W=table_scan_block(width), BLOCK_C=block_for(width),
             PDL=pdl_enabled(a.block_table),
         )

@@ -58,10 +58,11 @@ def token_lens(query_start_loc: Tensor, seq_lens: Tensor, num_tokens: int) -> Te
 
 
 @triton.jit
-def token_lens_tl(qsl_ptr, seq_lens_ptr, t, in_range, num_reqs, SEARCH_STEPS: tl.constexpr):
+def token_lens_tl(qsl_ptr, seq_lens_ptr, t, in_range, num_reqs, SEARCH_STEPS: tl.constexpr,
+                  REQS: tl.constexpr = 0):
     """Triton: same as ``token_lens`` for the tokens ``t``; also their requests and whether
-    they are real."""
-    req, real, back = token_offset(qsl_ptr, t, in_range, num_reqs, SEARCH_STEPS)
+    they are real (REQS: see ``request_of``)."""
+    req, real, back = token_offset(qsl_ptr, t, in_range, num_reqs, SEARCH_STEPS, REQS)
     seq = tl.load(seq_lens_ptr + req, mask=real, other=0)
     return tl.where(real, tl.maximum(seq + back + 1, 0), 0), req, real
 
@@ -220,9 +221,9 @@ def row_requests(query_start_loc: Tensor, num_tokens: int) -> Tensor:
 
 
 @triton.jit
-def row_requests_tl(qsl_ptr, t, num_reqs, SEARCH_STEPS: tl.constexpr):
-    """Triton: same as ``row_requests`` for the tokens ``t``."""
-    req = request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS)
+def row_requests_tl(qsl_ptr, t, num_reqs, SEARCH_STEPS: tl.constexpr, REQS: tl.constexpr = 0):
+    """Triton: same as ``row_requests`` for the tokens ``t`` (REQS: see ``request_of``)."""
+    req = request_of(qsl_ptr, t, num_reqs, SEARCH_STEPS, REQS)
     total = tl.load(qsl_ptr + num_reqs)
     return tl.where(req < num_reqs, req, num_reqs + t - total)
 
