@@ -264,7 +264,8 @@ def _decode_metadata_cuda(*args: object) -> tuple[Tensor, ...]:
     (rows, slots_per_row), width = out.context_lens.shape, a.block_table.shape[1]
     # schedule_lens is not written without DeepGEMM
     clamped = out.schedule_lens if a.deepgemm else out.context_lens
-    block_t = block_for(num_tokens)
+    # the tokens spread over the rows' programs (a few each: their requests in one read)
+    block_t = block_for(triton.cdiv(num_tokens, max(rows, 1)))
     grid = (max(rows, triton.cdiv(num_tokens, block_t)),
             max(1, triton.cdiv(width, block_for(width))))
     if grid[0]:
