@@ -35,20 +35,19 @@ def graph_us(fn: Callable[[], object], *, replays: int = 10) -> float:
     return device_us(graph.replay) / replays
 
 
-def kernel_span_us(fn: Callable[[], object], *, reps: int = 20, flush: str | None = "write"
-                   ) -> float:
-    """Median device time in µs from the start of ``fn``'s first kernel to the end of its
-    last (torch.profiler): what its kernels cost inside a longer graph (a model's step),
-    without the launch latency of a graph of their own. Before each call 256 MB are
+def profiled_calls(fn: Callable[[], object], *, reps: int = 20, flush: str | None = "write"
+                   ) -> list[list[torch.autograd.profiler_util.FunctionEvent]]:
+    """The device events (kernels, copies) of ``reps`` calls of ``fn`` in start order, one
+    list a call (torch.profiler), after one unprofiled call. Before each call 256 MB are
     written over (``flush="write"``: the L2 then holds dirty lines, which the call's reads
     evict by writing them back, as ``triton.testing.do_bench`` leaves it) or read over
     (``"read"``: clean lines, as a model's other layers leave it, streaming their weights),
     or nothing (None: L2 warm)."""
     if flush not in ("write", "read", None):
-        raise ValueError(f"kernel_span_us: `flush` must be 'write', 'read' or None, got {flush!r}")
+        raise ValueError(f"profiled_calls: `flush` must be 'write', 'read' or None, got {flush!r}")
     scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush else None
     fn()
-    spans = []
+    calls = []
     for _ in range(reps):
         if flush == "write":
             scratch.zero_()
@@ -58,11 +57,39 @@ def kernel_span_us(fn: Callable[[], object], *, reps: int = 20, flush: str | Non
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        ranges = [e.time_range for e in prof.events() if e.device_type.name == "CUDA"]
-        if not ranges:
-            raise RuntimeError("kernel_span_us: no device events in a call")
-        spans.append(max(r.end for r in ranges) - min(r.start for r in ranges))
-    return statistics.median(spans)
+        events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                        key=lambda e: e.time_range.start)
+        if not events:
+            raise RuntimeError("profiled_calls: no device events in a call")
+        calls.append(events)
+    return calls
+
+
+def kernel_span_us(fn: Callable[[], object], *, reps: int = 20, flush: str | None = "write"
+                   ) -> float:
+    """Median device time in µs from the start of ``fn``'s first kernel to the end of its
+    last: what its kernels cost inside a longer graph (a model's step), without the launch
+    latency of a graph of their own (``flush``: see :func:`profiled_calls`)."""
+    return statistics.median(max(e.time_range.end for e in events) - events[0].time_range.start
+                             for events in profiled_calls(fn, reps=reps, flush=flush))
+
+
+def kernel_timeline(fn: Callable[[], object], *, reps: int = 15, flush: str | None = "read"
+                    ) -> list[tuple[str, float, float]]:
+    """Each kernel of ``fn`` in launch order: (name, median start µs from the first kernel's
+    start, median duration µs) over ``reps`` calls (``flush``: see :func:`profiled_calls`),
+    then ("span", 0, median first start to last end)."""
+    calls = profiled_calls(fn, reps=reps, flush=flush)
+    if len({len(events) for events in calls}) != 1:
+        raise RuntimeError("kernel_timeline: the calls ran different numbers of kernels")
+    rows = []
+    for i, event in enumerate(calls[0]):
+        starts = [events[i].time_range.start - events[0].time_range.start for events in calls]
+        durations = [events[i].time_range.elapsed_us() for events in calls]
+        rows.append((event.name, statistics.median(starts), statistics.median(durations)))
+    spans = [max(e.time_range.end for e in events) - events[0].time_range.start
+             for events in calls]
+    return [*rows, ("span", 0.0, statistics.median(spans))]
 
 
 def host_us(fn: Callable[[], object], *, iters: int = 50) -> float:
