@@ -70,8 +70,13 @@ def kernel_span_us(fn: Callable[[], object], *, reps: int = 20, flush: str | Non
     """Median device time in µs from the start of ``fn``'s first kernel to the end of its
     last: what its kernels cost inside a longer graph (a model's step), without the launch
     latency of a graph of their own (``flush``: see :func:`profiled_calls`)."""
-    return statistics.median(max(e.time_range.end for e in events) - events[0].time_range.start
+    return statistics.median(_span(events)
                              for events in profiled_calls(fn, reps=reps, flush=flush))
+
+
+def _span(events: list[torch.autograd.profiler_util.FunctionEvent]) -> float:
+    """µs from the first event's start (events in start order) to the last end."""
+    return max(e.time_range.end for e in events) - events[0].time_range.start
 
 
 def kernel_timeline(fn: Callable[[], object], *, reps: int = 15, flush: str | None = "read"
@@ -87,9 +92,7 @@ def kernel_timeline(fn: Callable[[], object], *, reps: int = 15, flush: str | No
         starts = [events[i].time_range.start - events[0].time_range.start for events in calls]
         durations = [events[i].time_range.elapsed_us() for events in calls]
         rows.append((event.name, statistics.median(starts), statistics.median(durations)))
-    spans = [max(e.time_range.end for e in events) - events[0].time_range.start
-             for events in calls]
-    return [*rows, ("span", 0.0, statistics.median(spans))]
+    return [*rows, ("span", 0.0, statistics.median(_span(events) for events in calls))]
 
 
 def host_us(fn: Callable[[], object], *, iters: int = 50) -> float:

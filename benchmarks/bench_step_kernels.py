@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _report import (
+    add_row,
     add_shapes_option,
     bench_parser,
     kernel_timeline,
@@ -58,8 +59,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes or SHAPES:
         for row in timeline_rows(*shape, args.fp8_weights, flush):
-            rows.append(row)
-            print(" | ".join(str(c) for c in row), flush=True)
+            add_row(rows, row)
         torch.cuda.empty_cache()
     flags = shapes_flag(args.shapes) + ("" if args.flush == "read" else f" --flush {args.flush}")
     flags += " --fp8-weights" if args.fp8_weights else ""
