@@ -135,7 +135,10 @@ def partials_plan(tokens: int, fp8_q: bool = False, fp8_k: bool = False) -> Part
     128 in 4 warps; BENCHMARKS.md, "twenty-fourth"). fp8 weights (``fp8_q``: ``wq_b``,
     ``fp8_k``: ``wk``) take steps of 128, inside a block of scales; fp8 ``wq_b`` as many
     bytes a step in twice the columns, and q_lora slices of one step (the op in a graph,
-    flushed: 10.6 / 10.7 against 11.3 / 11.4 us in two runs; BENCHMARKS.md, "fourteenth")."""
+    flushed: 10.6 / 10.7 against 11.3 / 11.4 us in two runs; BENCHMARKS.md, "fourteenth").
+    Plans that win on their own (T = 128: q_lora slices of 12 steps, 128 columns, 4 load
+    stages, 14.1 against 16.9 us) did not in the layer step (17.9 against 17.3;
+    "twenty-eighth")."""
     if tokens <= SMALL_TOKENS:
         step, hidden_steps, q_steps, warps = ONE_TOKEN_FP8 if fp8_q or fp8_k else ONE_TOKEN_16BIT
         return PartialsPlan(triton.next_power_of_2(tokens), False, step, hidden_steps,
