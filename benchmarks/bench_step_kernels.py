@@ -30,6 +30,8 @@ from _report import (
 )
 from bench_step import HIDDEN, Q_LORA_RANK, SHAPES, capture, fp8_twin, full_decode
 
+FLUSHES = {"read": "256 MB read over", "write": "256 MB written over", "none": "nothing (L2 warm)"}
+
 
 def timeline_rows(batch: int, length: int, fp8_weights: bool, flush: str | None
                   ) -> list[list[object]]:
@@ -67,7 +69,7 @@ def main() -> None:
         "Where a layer step's device time goes: its kernels",
         markdown_table(["B", "L", "kernel", "start µs", "duration µs"], rows),
         notes=(f"bench_step.py's layer ({'fp8' if args.fp8_weights else 'bf16'} weights), "
-               f"in place; 15 replays, L2 {args.flush} before each; medians"),
+               f"in place; 15 replays, {FLUSHES[args.flush]} before each; medians"),
         command="python benchmarks/bench_step_kernels.py" + flags,
     )
     publish(text, args.out)
