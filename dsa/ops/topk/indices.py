@@ -282,8 +282,9 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
                                          STREAM_PIVOTS, 0)
             write_streamed(row_ptr, counts, out_row, score_row, k, t, c_lo, c_hi, INT_MIN, lo,
                            hi, off, BLOCK, C, 0, LOWEST, SCORES)
-    if SLOTS:  # read back: a gather of the table per register-tile element costs more (H200,
-        # select kernel at 64x65536 10.3 us against 9.4; BENCHMARKS.md, "twenty-eighth")
+    # slots from the indices read back: a table gather per register-tile element costs more
+    # (H200, the select kernel at 64x65536 10.3 us against 9.4; BENCHMARKS.md, "twenty-eighth")
+    if SLOTS:
         tl.debug_barrier()  # the row's indices, scattered by every thread, are in memory
         slot_row = slots_ptr + row.to(tl.int64) * k
         for c in range(0, k, FINISH_BLOCK):
