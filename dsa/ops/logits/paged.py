@@ -62,6 +62,15 @@ class PagedLogitsConfig:
     direct_store: bool = False
     """Store a tile's logits from the MMA's register layout (``tl.store`` first moves them
     to a coalesced one through shared memory). NVIDIA GPUs only (inline PTX), else ignored."""
+    keep_in_l2: bool = False
+    """Store the logits with L2's evict-last policy, so the K cache streaming through L2
+    does not evict them (writing them back mid-kernel) and the top-k reads them from L2.
+    ``tl.store`` only: direct stores keep the default policy."""
+    blocks_preloaded: bool = False
+    """Read the block ids of a program's tiles in one load at its start, so no K copy waits
+    on a table read issued in the loop. Taken where each tile lies within one block and a
+    program takes at most ``PRELOAD_MAX_TILES`` tiles (a tile's id is then picked from
+    registers cheaply), else ignored."""
 
 
 class PagedLaunch(NamedTuple):
@@ -75,36 +84,33 @@ class PagedLaunch(NamedTuple):
     scales_ahead: bool
     tma: bool
     direct_store: bool
+    keep_in_l2: bool
+    blocks_preloaded: bool
 
 
-# By next_n, from the H200 runs of benchmarks/bench_logits_sweep.py (H 64, D 128, tile 64,
-# 1M and 4M keys, L2 cold; BENCHMARKS.md, "Session of 2026-12-01, sixth"). next_n 1: 2
-# stages, 0.94-0.99x DeepGEMM (4 stages: 0.89-0.92x). next_n 2 and 3: one MMA per query row
-# (next_n 3 is not padded to 4 rows): 64.4 against 69.8 us at 1M keys (next_n 2), 316.6
-# against 351.9 at 4M (next_n 3). next_n 4: one [64, 256] MMA with 4 stages (split rows: 410
-# against 368 us at 4M). Key scales a tile ahead (4M keys, 64x65536 / 128x32768;
-# "fourteenth"): next_n 1 155.5 / 156.7 against 161.0 / 161.8 us, next_n 2 209.8 / 213.4
-# against 225.6 / 217.6; next_n 3 315.7 / 322.0 against 296.3 / 295.5 (168 -> 176 registers)
-# and next_n 4 354.9 / 377.6 against 348.9 / 367.2, so not there. K by TMA ("fifteenth": a
-# sweep, then this table against the previous one, ten calls a graph, two rounds, us at
-# 64x16K / 64x64K): next_n 1 40.2 / 150.6 against 41.2 / 155.1, next_n 2 (4 stages) 55.9 /
-# 218.1 against 57.8 / 226.9, next_n 3 (direct stores: 138.0 against 148.9 at 64x32K in the
-# sweep) 73.9 / 286.8 against 80.8 / 306.5, next_n 4 94.1 / 386.1 against 95.2 / 404.5.
-# Then alternatives (best of three rounds, us at 64x65536 / 64x16384 / 128x32768): next_n 2
-# with the key scales ahead 188.6 / 53.2 / 206.5 against 205.0 / 54.8 / 212.2 without them;
-# next_n 3 without direct stores 306.2 / 78.2 / 305.0 against 274.1 / 71.1 / 281.6; next_n 4
-# split rows 380.3 / 96.6 against 357.1 / 92.0. Tiles a program ("eighteenth", graphs of ten
-# calls, best of two or three rounds, outputs bitwise equal): next_n 3 and 4 take up to 128
-# (4M keys: 269.4-283.7 us against 278.3-305.8 with 16 at next_n 3, 339.8-351.7 against
-# 355.0-375.9 at next_n 4; 1M keys, 32 a program: 68.8-72.0 against 71.6-74.9 and
-# 89.8-91.4 against 93.2-96.3); next_n 1 and 2 keep 16 (32-64 within 1% or slower, 64x16384
-# next_n 2 53.0 / 57.2 against 50.5). Fixed, not autotuned: the interpreter cannot autotune
-# and a captured graph needs the launch decided before capture.
-PAGED_LAUNCH = {1: PagedLaunch(16, False, 4, 2, True, True, False),
-                2: PagedLaunch(16, True, 4, 4, True, True, False),
-                3: PagedLaunch(128, True, 4, 3, True, True, True),
-                4: PagedLaunch(128, False, 4, 4, False, True, False)}
+# By next_n, from H200 runs (H 64, D 128, tile 64, 1M and 4M keys; BENCHMARKS.md, the
+# sessions named). The MMA: next_n 2 and 3 one per query row (next_n 3 not padded to 4 rows;
+# 64.4 against 69.8 us at 1M keys, next_n 2, "sixth"), next_n 4 one [64, 256] (split rows
+# 380.3 against 357.1 us at 4M, "fifteenth"). K by TMA at every next_n ("fifteenth": 150.6
+# against 155.1 us at 4M keys, next_n 1). Key scales a tile ahead but at next_n 4 ("fourteenth",
+# "fifteenth"). Direct stores at next_n 3 (274.1 against 306.2 us, "fifteenth"). Tiles a
+# program: up to 128 at next_n 3 and 4 (a program's pipeline fills once; 269.4-283.7 against
+# 278.3-305.8 us with 16 at next_n 3, "eighteenth"), 32 at next_n 1 and 2 with 3 stages.
+# Logits kept in L2 ("twenty-ninth", kernel us after 256 MB read over): at 64x65536, next_n
+# 1, the logits' stores cost 12.5 of 144 us (a pure read of the cache takes 125.6), as the K
+# cache streaming through L2 evicts them and they are written back mid-kernel; kept in L2
+# 138.5, block ids preloaded too 137.3, and 32 tiles in 3 stages 135.5 (DeepGEMM 141.0 plus
+# its schedule 3.1); next_n 2 176.0 against 181.6 (1M keys: 45.3 against 47.8); next_n 4 at
+# 1M keys 83.3 against 86.1; next_n 3 unchanged kept in L2 (its direct stores do not take
+# the policy) and slower with 64-128 block ids preloaded (145.9 against 130.4 at 2M keys).
+# Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs the launch
+# decided before capture.
+PAGED_LAUNCH = {1: PagedLaunch(32, False, 4, 3, True, True, False, True, True),
+                2: PagedLaunch(32, True, 4, 3, True, True, False, True, True),
+                3: PagedLaunch(128, True, 4, 3, True, True, True, False, False),
+                4: PagedLaunch(128, False, 4, 4, False, True, False, True, True)}
 SPLIT_ROWS_MAX_NEXT_N = 4
+PRELOAD_MAX_TILES = 32
 
 
 def paged_logits_config(batch: int, next_n: int, num_heads: int,
@@ -235,6 +241,16 @@ def _tile_blocks(bt_row, t, longest, width, num_blocks, cols, BS: tl.constexpr,
 
 
 @triton.jit
+def _preloaded_block(table, span, c0, t, num_blocks, cols, BS: tl.constexpr,
+                     TILE: tl.constexpr):
+    """:func:`_tile_blocks` for tiles within one block, from ``table``: the program's block
+    ids from table column ``c0`` on (-1 past the table)."""
+    blk = tl.sum(tl.where(span == t * TILE // BS - c0, table, 0), axis=0)
+    ok = (blk >= 0) & (blk < num_blocks)
+    return tl.where(ok, blk, 0).to(tl.int64), ok & (cols >= 0)
+
+
+@triton.jit
 def _query_row(q_ptr, w_ptr, w_stride0, w_stride1, row0, h, d, J: tl.constexpr,
                H: tl.constexpr, D: tl.constexpr):
     """Query row ``row0 + J``: its ``[HP, BLOCK_D]`` q operand (padding zero) and head
@@ -277,7 +293,8 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
                          NP: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr,
                          TILE: tl.constexpr, SPLIT_ROWS: tl.constexpr,
                          SCALES_AHEAD: tl.constexpr, TMA: tl.constexpr,
-                         DIRECT_STORE: tl.constexpr, PDL: tl.constexpr):
+                         DIRECT_STORE: tl.constexpr, PRELOAD: tl.constexpr,
+                         SPAN: tl.constexpr, EVICTION: tl.constexpr, PDL: tl.constexpr):
     pdl_chain_wait(PDL)
     split = tl.program_id(0)
     b = tl.program_id(1)
@@ -320,14 +337,26 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
     # With SCALES_AHEAD a tile's key scales too (a separate line of its block, not in the K
     # copy): they arrive while the previous tile's MMAs run.
     bt_row = bt_ptr + b.to(tl.int64) * bt_stride
-    blk_next, ok_next = _tile_blocks(bt_row, t_begin, longest, width, num_blocks, cols, BS, TILE)
+    if PRELOAD:
+        c0 = t_begin * TILE // BS
+        span = tl.arange(0, SPAN)
+        table = tl.load(bt_row + c0 + span, mask=c0 + span < width, other=-1)
+        blk_next, ok_next = _preloaded_block(table, span, c0, t_begin, num_blocks, cols, BS,
+                                             TILE)
+    else:
+        blk_next, ok_next = _tile_blocks(bt_row, t_begin, longest, width, num_blocks, cols, BS,
+                                         TILE)
     if SCALES_AHEAD:
         scale_next = tl.load(scale_ptr + blk_next * SCALE_STRIDE + (t_begin * TILE + cols) % BS)
     for t in range(t_begin, t_mid):
         pos = t * TILE + cols
         blk, ok = blk_next, ok_next
-        blk_next, ok_next = _tile_blocks(bt_row, t + 1, longest, width, num_blocks, cols, BS,
-                                         TILE)
+        if PRELOAD:
+            blk_next, ok_next = _preloaded_block(table, span, c0, t + 1, num_blocks, cols, BS,
+                                                 TILE)
+        else:
+            blk_next, ok_next = _tile_blocks(bt_row, t + 1, longest, width, num_blocks, cols,
+                                             BS, TILE)
         off = pos % BS
         if SCALES_AHEAD:
             k_scale = scale_next
@@ -364,12 +393,12 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
         if DIRECT_STORE:
             _store_in_place(ptrs, value, keep)
         else:
-            tl.store(ptrs, value, mask=keep)
+            tl.store(ptrs, value, mask=keep, eviction_policy=EVICTION)
     for t in range(t_mid, t_end):
         pos = t * TILE + cols
         tl.store(out_rows[None, :] + pos[:, None],
                  tl.full((TILE, NP), float("-inf"), tl.float32),
-                 mask=store_rows & (pos < max_context_len)[:, None])
+                 mask=store_rows & (pos < max_context_len)[:, None], eviction_policy=EVICTION)
 
 
 def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
@@ -406,6 +435,10 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
         BLOCK_D=max(32, triton.next_power_of_2(head_dim)), TILE=config.tile,
         SPLIT_ROWS=config.split_rows, SCALES_AHEAD=config.scales_ahead,
         TMA=k_desc is not None, DIRECT_STORE=config.direct_store and _on_nvidia_gpu(q_fp8),
+        PRELOAD=(config.blocks_preloaded and block_size % config.tile == 0
+                 and config.tiles_per_program <= PRELOAD_MAX_TILES),
+        SPAN=triton.next_power_of_2(config.tiles_per_program),
+        EVICTION="evict_last" if config.keep_in_l2 else "",
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl,
         **pdl_launch(pdl > 0),
     )
