@@ -245,11 +245,11 @@ def test_paged_chooser_auto_rule(monkeypatch):
     cuda = torch.device("cuda")
     choose = functools.partial(paged.paged_backend, "auto", cuda, 64, 128, 64)
     assert [choose(n) for n in (1, 2, 3, 4)] == ["deepgemm"] * 2 + ["triton"] * 2
-    # the H200 shapes: next_n 1 up to 1M keys to dsa's kernel, 4M to DeepGEMM; next_n 2
+    # the H200 shapes: next_n 1 to dsa's kernel at every size (4K to 8M keys); next_n 2
     # up to 256K keys
     assert [choose(1, b, n) for b, n in ((1, 4096), (8, 32768), (64, 16384), (1, 2**20),
-                                         (8, 2**17 + 64), (64, 65536))] == (
-        ["triton"] * 4 + ["deepgemm"] * 2)
+                                         (8, 2**17 + 64), (64, 65536), (128, 65536))] == (
+        ["triton"] * 7)
     assert [choose(2, b, n) for b, n in ((1, 4096), (1, 65536), (8, 32768), (8, 65536),
                                          (1, 2**20))] == ["triton"] * 3 + ["deepgemm"] * 2
     assert [choose(1, b, n) for b, n in ((1, None), (None, 4096))] == ["deepgemm"] * 2

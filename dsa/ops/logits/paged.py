@@ -12,6 +12,7 @@ whose blocks are all inside the cache (``build_decode_metadata`` caps lengths th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -525,16 +526,15 @@ def _paged_deepgemm_cuda(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, conte
 
 # Where "auto" runs dsa's kernel although DeepGEMM could take the call: next_n -> the most
 # keys a call may read (logits rows x max_context_len) at which dsa's kernel beat DeepGEMM
-# plus its schedule kernel (about 2 us) in the H200 runs of benchmarks/bench_logits_sweep.py
-# (BENCHMARKS.md, L2 cold, us Triton vs DeepGEMM without the schedule). next_n 1 (132945b,
-# and 144c896 in brackets): 1x4K 7.4 (6.8) vs 9.7 (9.3), 8x32K 21.5 (21.2) vs 20.9 (21.0);
-# 1M keys: 64x16K 49.2 (50.2) vs 49.4 (49.8), 8x128K 48.5 (48.9) vs 49.2 (49.3), 1x1M 48.4
-# (48.7) vs 49.5 (49.9); 4M keys to DeepGEMM (64x64K 154.5 (156.8) vs 150.8 (152.8)).
-# next_n 2 (00001a1): 1x4K 7.1 vs 9.6, 1x64K 11.4 vs 12.4, 8x32K 22.7 vs 21.8; 1M keys
-# (64.0 vs 52.0) and up to DeepGEMM. Elsewhere "auto" takes DeepGEMM wherever it runs
-# (next_n <= 2 on SM90) and dsa's kernel where it does not (next_n 3 and 4, other GPUs, the
-# CPU).
-AUTO_TRITON_MAX_KEYS: dict[int, int] = {1: 1 << 20, 2: 256 * 1024}
+# plus its schedule kernel (2-3 us) on the H200 (BENCHMARKS.md, us Triton vs DeepGEMM without
+# the schedule). next_n 1 at every size ("twenty-ninth", bench_logits_sweep.py, 256 MB
+# written over: 1x4K 6.8 vs 9.4, 8x32K 18.2 vs 20.8, 1M keys 46.4-46.9 vs 49.2-49.8, 4M
+# 152.3 vs 152.1-152.8; read over, a probe: 4M 135.5 vs 141.0, 8M 277.2 vs 277.5). next_n 2
+# (00001a1): 1x4K 7.1 vs 9.6, 1x64K 11.4 vs 12.4, 8x32K 22.7 vs 21.8; 1M keys and up to
+# DeepGEMM ("twenty-ninth", read over: 45.3 vs 40.4 at 1M, 176.0 vs 149.5 at 4M). Elsewhere
+# "auto" takes DeepGEMM wherever it runs (next_n <= 2 on SM90) and dsa's kernel where it
+# does not (next_n 3 and 4, other GPUs, the CPU).
+AUTO_TRITON_MAX_KEYS: dict[int, float] = {1: math.inf, 2: 256 * 1024}
 
 
 def paged_backend(backend: str, device: torch.device, num_heads: int, head_dim: int,
