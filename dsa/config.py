@@ -40,7 +40,9 @@ class IndexerConfig:
         kpool: slots of the GLM kpool tail cache per request; ``None`` = no tail cache.
         kv_cache_dtype: "fp8" (SM90 layout) or "mxfp4" (Blackwell sm_10x only).
         ue8m0_scales: round quantisation scales up to powers of two.
-        logits_backend: "auto" (DeepGEMM where it can run, else Triton), "triton", "deepgemm".
+        logits_backend: "auto" (dsa's Triton kernel where the H200 measured it faster, as
+            ``paged.AUTO_TRITON_MAX_KEYS``, else DeepGEMM where it can run, else Triton),
+            "triton", "deepgemm".
         decode_layout: "native" ([B, next_n] rows, each K block read once for a request's
             next_n rows; next_n <= 2 on DeepGEMM), "flat" (one row per query token, any
             next_n), or "auto" (native for next_n <= 4, <= 2 with ``logits_backend``
