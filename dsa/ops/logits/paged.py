@@ -333,10 +333,11 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
         w = tl.load(w_ptr + qrow.to(tl.int64) * w_stride0 + (r % HP) * w_stride1,
                     mask=row_ok, other=0.0)
 
-    # Block ids are read one tile ahead and carried: K addresses then do not wait on a load
-    # issued in their own iteration, and the pipeliner keeps num_stages - 1 K tiles in flight.
-    # With SCALES_AHEAD a tile's key scales too (a separate line of its block, not in the K
-    # copy): they arrive while the previous tile's MMAs run.
+    # Block ids are read one tile ahead and carried (with PRELOAD, picked from the program's
+    # ids, read in one load here): K addresses then do not wait on a load issued in their
+    # own iteration, and the pipeliner keeps num_stages - 1 K tiles in flight. With
+    # SCALES_AHEAD a tile's key scales too (a separate line of its block, not in the K copy):
+    # they arrive while the previous tile's MMAs run.
     bt_row = bt_ptr + b.to(tl.int64) * bt_stride
     if PRELOAD:
         c0 = t_begin * TILE // BS
