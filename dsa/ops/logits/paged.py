@@ -223,13 +223,18 @@ def _paged_logits_torch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, contex
 
 
 @triton.jit
-def _tile_blocks(bt_row, t, longest, width, num_blocks, cols, BS: tl.constexpr,
-                 TILE: tl.constexpr):
+def _tile_blocks(bt_row, t, longest, width, num_blocks, cols, ids, c0, BS: tl.constexpr,
+                 TILE: tl.constexpr, PRELOAD: tl.constexpr):
     """Cache block of tile ``t``'s tokens (0, always present, where invalid) and whether
-    each token is valid: one table entry when the tile lies in one block, else one each."""
+    each token is valid: one table entry when the tile lies in one block, else one each.
+    PRELOAD (tiles within one block): the entry is picked from ``ids``, the program's
+    entries from table column ``c0`` on (-1 past the table), instead of loaded."""
     if BS % TILE == 0:
         bt_col = t * TILE // BS
-        blk = tl.load(bt_row + bt_col, mask=bt_col < width, other=-1)
+        if PRELOAD:
+            blk = tl.sum(tl.where(tl.arange(0, ids.shape[0]) == bt_col - c0, ids, 0), axis=0)
+        else:
+            blk = tl.load(bt_row + bt_col, mask=bt_col < width, other=-1)
         ok = (blk >= 0) & (blk < num_blocks)
         return tl.where(ok, blk, 0).to(tl.int64), ok & (cols >= 0)
     else:
@@ -239,16 +244,6 @@ def _tile_blocks(bt_row, t, longest, width, num_blocks, cols, BS: tl.constexpr,
         blk = tl.load(bt_row + bt_col, mask=ok, other=-1)
         ok = ok & (blk >= 0) & (blk < num_blocks)
         return tl.where(ok, blk, 0).to(tl.int64), ok
-
-
-@triton.jit
-def _preloaded_block(table, span, c0, t, num_blocks, cols, BS: tl.constexpr,
-                     TILE: tl.constexpr):
-    """:func:`_tile_blocks` for tiles within one block, from ``table``: the program's block
-    ids from table column ``c0`` on (-1 past the table)."""
-    blk = tl.sum(tl.where(span == t * TILE // BS - c0, table, 0), axis=0)
-    ok = (blk >= 0) & (blk < num_blocks)
-    return tl.where(ok, blk, 0).to(tl.int64), ok & (cols >= 0)
 
 
 @triton.jit
@@ -339,26 +334,20 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
     # SCALES_AHEAD a tile's key scales too (a separate line of its block, not in the K copy):
     # they arrive while the previous tile's MMAs run.
     bt_row = bt_ptr + b.to(tl.int64) * bt_stride
+    c0 = t_begin * TILE // BS
+    ids = c0  # no preloaded ids
     if PRELOAD:
-        c0 = t_begin * TILE // BS
         span = tl.arange(0, SPAN)
-        table = tl.load(bt_row + c0 + span, mask=c0 + span < width, other=-1)
-        blk_next, ok_next = _preloaded_block(table, span, c0, t_begin, num_blocks, cols, BS,
-                                             TILE)
-    else:
-        blk_next, ok_next = _tile_blocks(bt_row, t_begin, longest, width, num_blocks, cols, BS,
-                                         TILE)
+        ids = tl.load(bt_row + c0 + span, mask=c0 + span < width, other=-1)
+    blk_next, ok_next = _tile_blocks(bt_row, t_begin, longest, width, num_blocks, cols, ids, c0,
+                                     BS, TILE, PRELOAD)
     if SCALES_AHEAD:
         scale_next = tl.load(scale_ptr + blk_next * SCALE_STRIDE + (t_begin * TILE + cols) % BS)
     for t in range(t_begin, t_mid):
         pos = t * TILE + cols
         blk, ok = blk_next, ok_next
-        if PRELOAD:
-            blk_next, ok_next = _preloaded_block(table, span, c0, t + 1, num_blocks, cols, BS,
-                                                 TILE)
-        else:
-            blk_next, ok_next = _tile_blocks(bt_row, t + 1, longest, width, num_blocks, cols,
-                                             BS, TILE)
+        blk_next, ok_next = _tile_blocks(bt_row, t + 1, longest, width, num_blocks, cols, ids,
+                                         c0, BS, TILE, PRELOAD)
         off = pos % BS
         if SCALES_AHEAD:
             k_scale = scale_next
