@@ -417,6 +417,9 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
     num_tiles = triton.cdiv(max_context_len, config.tile)
     grid = (triton.cdiv(num_tiles, config.tiles_per_program), batch)
     pdl = chain_pdl(q_fp8, batch * next_n * max_context_len <= CHAIN_KEYS, batch * next_n)
+    # SPAN is a compile-time size: only launches that preload compile per span.
+    preload = (config.blocks_preloaded and block_size % config.tile == 0
+               and config.tiles_per_program <= PRELOAD_MAX_TILES)
     launch(_paged_logits_kernel, grid,
         q_fp8, values, k_desc, scales, weights, weights.stride(0), weights.stride(1),
         context_lens, block_table, block_table.stride(0), out, out.stride(0), block_table.shape[1],
@@ -426,9 +429,7 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
         BLOCK_D=max(32, triton.next_power_of_2(head_dim)), TILE=config.tile,
         SPLIT_ROWS=config.split_rows, SCALES_AHEAD=config.scales_ahead,
         TMA=k_desc is not None, DIRECT_STORE=config.direct_store and _on_nvidia_gpu(q_fp8),
-        PRELOAD=(config.blocks_preloaded and block_size % config.tile == 0
-                 and config.tiles_per_program <= PRELOAD_MAX_TILES),
-        SPAN=triton.next_power_of_2(config.tiles_per_program),
+        PRELOAD=preload, SPAN=triton.next_power_of_2(config.tiles_per_program) if preload else 1,
         EVICTION="evict_last" if config.keep_in_l2 else "",
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl,
         **pdl_launch(pdl > 0),
