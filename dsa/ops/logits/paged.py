@@ -66,7 +66,7 @@ class PagedLogitsConfig:
     keep_in_l2: bool = False
     """Store the logits with L2's evict-last policy, so the K cache streaming through L2
     does not evict them (writing them back mid-kernel) and the top-k reads them from L2.
-    ``tl.store`` only: direct stores keep the default policy."""
+    Direct stores take it too (inline PTX, as ``tl.store`` emits it)."""
     blocks_preloaded: bool = False
     """Read the block ids of a program's tiles in one load at its start, so no K copy waits
     on a table read issued in the loop. Taken where each tile lies within one block and a
@@ -267,13 +267,21 @@ def _row_logits(k, k_scale, q, w):
 
 
 @triton.jit
-def _store_in_place(ptrs, values, mask):
+def _store_in_place(ptrs, values, mask, EVICTION: tl.constexpr):
     """Masked fp32 store from the values' own layout (one st.global per element and thread
     holding it): ``tl.store`` first converts a tile to a coalesced layout, through shared
-    memory and a barrier."""
+    memory and a barrier. EVICTION "evict_last": with L2's evict-last policy, as
+    ``tl.store`` emits it."""
+    if EVICTION == "evict_last":
+        asm: tl.constexpr = (
+            "{ .reg .pred p; .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, "
+            "1.0; setp.ne.b32 p, $3, 0; @p st.global.L1::evict_last.L2::cache_hint.b32 [$1], "
+            "$2, pol; mov.b32 $0, 0; }")
+    else:
+        asm: tl.constexpr = (
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }")
     tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs, values.to(tl.int32, bitcast=True), mask.to(tl.int32)],
+        asm, "=r,l,r,r", [ptrs, values.to(tl.int32, bitcast=True), mask.to(tl.int32)],
         dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -382,7 +390,7 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
         ptrs = out_rows[None, :] + pos[:, None]
         keep = store_rows & (pos < max_context_len)[:, None]
         if DIRECT_STORE:
-            _store_in_place(ptrs, value, keep)
+            _store_in_place(ptrs, value, keep, EVICTION)
         else:
             tl.store(ptrs, value, mask=keep, eviction_policy=EVICTION)
     for t in range(t_mid, t_end):
