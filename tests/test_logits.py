@@ -161,6 +161,8 @@ def test_paged_logits_invalid_blocks_are_masked(face, next_n, block_size, max_le
      PagedLogitsConfig(tile=32, tiles_per_program=3, num_stages=2, tma=True),
      PagedLogitsConfig(tile=16, tiles_per_program=5, num_warps=2, num_stages=1,
                        split_rows=True, scales_ahead=True, tma=True, direct_store=True),
+     PagedLogitsConfig(tile=32, tiles_per_program=4, num_stages=3, split_rows=True,
+                       scales_ahead=True, tma=True, direct_store=True, keep_in_l2=True),
      PagedLogitsConfig(tile=16, tiles_per_program=5, num_warps=2, num_stages=1,
                        blocks_preloaded=True),
      PagedLogitsConfig(tile=32, tiles_per_program=3, num_stages=2, scales_ahead=True,

@@ -102,13 +102,14 @@ class PagedLaunch(NamedTuple):
 # cache streaming through L2 evicts them and they are written back mid-kernel; kept in L2
 # 138.5, block ids preloaded too 137.3, and 32 tiles in 3 stages 135.5 (DeepGEMM 141.0 plus
 # its schedule 3.1); next_n 2 176.0 against 181.6 (1M keys: 45.3 against 47.8); next_n 4 at
-# 1M keys 83.3 against 86.1; next_n 3 unchanged kept in L2 (its direct stores do not take
-# the policy) and slower with 64-128 block ids preloaded (145.9 against 130.4 at 2M keys).
+# 1M keys 83.3 against 86.1; next_n 3 slower with 64-128 block ids preloaded (145.9 against
+# 130.4 at 2M keys), its direct stores kept in L2 ("thirtieth", inline PTX): 249.2 against
+# 252.5 us at 64x65536, 65.0 against 65.9 at 16x65536.
 # Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs the launch
 # decided before capture.
 PAGED_LAUNCH = {1: PagedLaunch(32, False, 4, 3, True, True, False, True, True),
                 2: PagedLaunch(32, True, 4, 3, True, True, False, True, True),
-                3: PagedLaunch(128, True, 4, 3, True, True, True, False, False),
+                3: PagedLaunch(128, True, 4, 3, True, True, True, True, False),
                 4: PagedLaunch(128, False, 4, 4, False, True, False, True, True)}
 SPLIT_ROWS_MAX_NEXT_N = 4
 PRELOAD_MAX_TILES = 32
