@@ -31,12 +31,14 @@ def alloc_logits(rows: int, cols: int, device: torch.device) -> Tensor:
 
 
 @triton.jit
-def tile_logits(k, k_scale, q, w, TILE: tl.constexpr, ROWS: tl.constexpr, HP: tl.constexpr):
+def tile_logits(k, k_scale, q_t, w, TILE: tl.constexpr, ROWS: tl.constexpr, HP: tl.constexpr):
     """``[TILE, ROWS]`` logits of a K tile against ROWS query rows: ``[TILE, ROWS * HP]``
     scores, keys on the MMA's M side (each key's head sums stay within a thread and its
-    quad); row i's heads are the HP consecutive columns ``i * HP + h`` of ``q`` and ``w``,
-    summed in one reduction for all rows."""
-    s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
+    quad); row i's heads are the HP consecutive columns ``i * HP + h`` of ``q_t`` (q
+    transposed, ``[D, ROWS * HP]``: transposed once before a loop over tiles, q is staged in
+    shared memory once, not for every tile) and ``w``, summed in one reduction for all
+    rows."""
+    s = tl.maximum(tl.dot(k, q_t), 0.0) * w[None, :]
     return tl.sum(tl.reshape(s, (TILE, ROWS, HP)), axis=2) * k_scale[:, None]
 
 

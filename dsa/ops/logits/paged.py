@@ -263,7 +263,7 @@ def _query_row(q_ptr, w_ptr, w_stride0, w_stride1, row0, h, d, J: tl.constexpr,
 def _row_logits(k, k_scale, q, w):
     """One query row's logits over the K tile: ``[TILE, HP]`` scores, keys on the MMA's M
     side, summed over heads within a thread and its quad."""
-    s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
+    s = tl.maximum(tl.dot(k, q), 0.0) * w[None, :]
     return tl.sum(s, axis=1) * k_scale
 
 
@@ -322,12 +322,16 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
     if SPLIT_ROWS:
         h = tl.arange(0, HP)
         q0, w0 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, b * N, h, d, 0, H, D)
+        q0 = tl.trans(q0)
         if N > 1:
             q1, w1 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, b * N, h, d, 1, H, D)
+            q1 = tl.trans(q1)
         if N > 2:
             q2, w2 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, b * N, h, d, 2, H, D)
+            q2 = tl.trans(q2)
         if N > 3:
             q3, w3 = _query_row(q_ptr, w_ptr, w_stride0, w_stride1, b * N, h, d, 3, H, D)
+            q3 = tl.trans(q3)
     else:
         r = tl.arange(0, NP * HP)
         row_ok = (r // HP < N) & (r % HP < H)
@@ -336,6 +340,7 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
                     mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
         w = tl.load(w_ptr + qrow.to(tl.int64) * w_stride0 + (r % HP) * w_stride1,
                     mask=row_ok, other=0.0)
+        q = tl.trans(q)
 
     # Block ids are read one tile ahead and carried (with PRELOAD, picked from the program's
     # ids, read in one load here): K addresses then do not wait on a load issued in their

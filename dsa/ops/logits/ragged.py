@@ -128,6 +128,7 @@ def _mqa_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, w_stride0, w_stride1, k
     d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + ((m0 + r // HP) * H + r % HP).to(tl.int64)[:, None] * D + d[None, :],
                 mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+    q_t = tl.trans(q)  # before the loops: q is staged in shared memory once
     w = tl.load(w_ptr + (m0 + r // HP).to(tl.int64) * w_stride0 + (r % HP) * w_stride1,
                 mask=row_ok, other=0.0)
 
@@ -153,7 +154,7 @@ def _mqa_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, w_stride0, w_stride1, k
                 else:
                     k = tl.load(k_ptr + key[:, None] * D + d[None, :], mask=(d < D)[None, :],
                                 other=0.0)
-                logits = tile_logits(k, tl.load(k_scale_ptr + key), q, w, TILE, BM, HP)
+                logits = tile_logits(k, tl.load(k_scale_ptr + key), q_t, w, TILE, BM, HP)
                 tl.store(out_rows[None, :] + j[:, None], logits, mask=member[None, :])
             for t in range(t_whole, t_mid):
                 j = t * TILE + cols
@@ -164,7 +165,7 @@ def _mqa_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, w_stride0, w_stride1, k
                 k = tl.load(k_ptr + key.to(tl.int64)[:, None] * D + d[None, :],
                             mask=ok[:, None] & (d < D)[None, :], other=0.0)
                 k_scale = tl.load(k_scale_ptr + key, mask=ok, other=0.0)
-                logits = tile_logits(k, k_scale, q, w, TILE, BM, HP)
+                logits = tile_logits(k, k_scale, q_t, w, TILE, BM, HP)
                 tl.store(out_rows[None, :] + j[:, None],
                          tl.where(ok[:, None] & (j[:, None] < lens[None, :]), logits,
                                   float("-inf")),
