@@ -260,10 +260,11 @@ def _query_row(q_ptr, w_ptr, w_stride0, w_stride1, row0, h, d, J: tl.constexpr,
 
 
 @triton.jit
-def _row_logits(k, k_scale, q, w):
+def _row_logits(k, k_scale, q_t, w):
     """One query row's logits over the K tile: ``[TILE, HP]`` scores, keys on the MMA's M
-    side, summed over heads within a thread and its quad."""
-    s = tl.maximum(tl.dot(k, q), 0.0) * w[None, :]
+    side, summed over heads within a thread and its quad (``q_t``: the row's q transposed,
+    as :func:`~dsa.ops.logits.common.tile_logits` takes it)."""
+    s = tl.maximum(tl.dot(k, q_t), 0.0) * w[None, :]
     return tl.sum(s, axis=1) * k_scale
 
 
@@ -316,8 +317,10 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
     cols = tl.arange(0, TILE)
 
     # q of all (row, head) pairs as one [NP * HP, D] operand (row r = j * HP + h, padding
-    # rows zero; staged in shared memory once) and its head weights, or with SPLIT_ROWS one
-    # [HP, D] operand per query row: every K tile is read once for all of the request's rows.
+    # rows zero) and its head weights, or with SPLIT_ROWS one [HP, D] operand per query row:
+    # every K tile is read once for all of the request's rows. Transposed here, before the
+    # loop, so each is staged in shared memory once (Triton 3.9 stages a transpose taken
+    # inside the loop again for every tile).
     d = tl.arange(0, BLOCK_D)
     if SPLIT_ROWS:
         h = tl.arange(0, HP)
