@@ -213,6 +213,18 @@ def fp8_weights(args: tuple, ue8m0: bool) -> tuple[tuple, tuple]:
             (*args[:2], *dequantised, *args[4:]))
 
 
+def test_q_tiles_by_tma_where_they_can_be():
+    """The q product's tiles go by TMA for 16-bit rows of unit stride at 16-byte aligned
+    addresses and pitches (on the CPU too, where the interpreter runs the kernel, so the
+    token-tile tests above take that path), else by pointers."""
+    x = torch.zeros(5, 1000, dtype=torch.bfloat16)
+    assert project._tma_tiles(x) and project._tma_tiles(x.half())
+    assert not project._tma_tiles(x.float())  # fp32 rows: the pointer path
+    assert not project._tma_tiles(torch.zeros(5, 1001, dtype=torch.bfloat16)[:, :1000])  # pitch
+    assert not project._tma_tiles(x[:, 3:])  # address
+    assert not project._tma_tiles(x.t())  # column stride
+
+
 def test_partial_sums_stay_inside_weight_blocks():
     """A program's columns and a step's elements share one fp8 block's scale."""
     for tokens in (1, 2, 64, 65, KERNEL_TOKENS):

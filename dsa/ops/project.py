@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsa.ops._checks import check_size, check_tensor
 from dsa.ops._launch import (
@@ -98,8 +99,9 @@ COLS = 32
 ONE_TOKEN_16BIT, ONE_TOKEN_FP8 = (256, 2, 1, 8), (WEIGHT_BLOCK, 4, 2, 4)
 # Above SMALL_TOKENS: inner-dim elements per step (64: a program of 64 tokens holds its
 # operands in registers without spilling), steps of a hidden-dim slice, columns of wq_b per
-# program; tokens, warps and q_lora-dim slice steps of a program by T (partials_plan).
-TILE_STEP, TILE_HIDDEN_STEPS, TILE_Q_COLS = 64, 8, 64
+# program, load stages; tokens, warps and q_lora-dim slice steps of a program by T
+# (partials_plan).
+TILE_STEP, TILE_HIDDEN_STEPS, TILE_Q_COLS, TILE_STAGES = 64, 8, 64, 4
 # fp8 weights: a program's columns and a step's inner-dim elements lie in one block of
 # scales (COLS, the q columns and the steps divide it; tests/test_project.py checks).
 _BLOCK = tl.constexpr(WEIGHT_BLOCK)
@@ -112,7 +114,8 @@ PROLOGUE_ROWS = 2
 class PartialsPlan(NamedTuple):
     """How the partial-sums launch covers T tokens: programs of ``tokens`` tokens, matrix
     products (``dot``) or one token at a time, slices of ``hidden_steps`` and ``q_steps``
-    steps of ``step`` elements, ``q_cols`` columns of ``wq_b`` per program, ``warps``."""
+    steps of ``step`` elements, ``q_cols`` columns of ``wq_b`` per program, ``warps``, and
+    ``stages`` of loads in flight (Triton's ``num_stages``)."""
 
     tokens: int
     dot: bool
@@ -121,6 +124,7 @@ class PartialsPlan(NamedTuple):
     q_steps: int
     q_cols: int
     warps: int
+    stages: int = 3
 
 
 def partials_plan(tokens: int, fp8_q: bool = False, fp8_k: bool = False) -> PartialsPlan:
@@ -138,15 +142,18 @@ def partials_plan(tokens: int, fp8_q: bool = False, fp8_k: bool = False) -> Part
     flushed: 10.6 / 10.7 against 11.3 / 11.4 us in two runs; BENCHMARKS.md, "fourteenth").
     Plans that win on their own (T = 128: q_lora slices of 12 steps, 128 columns, 4 load
     stages, 14.1 against 16.9 us) did not in the layer step (17.9 against 17.3;
-    "twenty-eighth")."""
+    "twenty-eighth"). Matrix products take 4 stages, their q tiles by TMA where the operands
+    allow (``_tma_tiles``; bitwise the same sums): the kernel at T = 16 / 64 / 128 / 256 / 512
+    9.1 / 11.1 / 13.8 / 23.4 / 38.8 us against 9.8 / 12.2 / 17.2 / 29.7 / 47.5 by pointers in
+    3 stages ("thirty-second")."""
     if tokens <= SMALL_TOKENS:
         step, hidden_steps, q_steps, warps = ONE_TOKEN_FP8 if fp8_q or fp8_k else ONE_TOKEN_16BIT
         return PartialsPlan(triton.next_power_of_2(tokens), False, step, hidden_steps,
                             1 if fp8_q else q_steps, 2 * COLS if fp8_q else COLS, warps)
     if tokens <= 64:
         return PartialsPlan(max(16, triton.next_power_of_2(tokens)), True, TILE_STEP,
-                            TILE_HIDDEN_STEPS, 12, TILE_Q_COLS, 4)
-    return PartialsPlan(128, True, TILE_STEP, TILE_HIDDEN_STEPS, 24, TILE_Q_COLS, 8)
+                            TILE_HIDDEN_STEPS, 12, TILE_Q_COLS, 4, TILE_STAGES)
+    return PartialsPlan(128, True, TILE_STEP, TILE_HIDDEN_STEPS, 24, TILE_Q_COLS, 8, TILE_STAGES)
 
 
 class _Sizes:
@@ -350,6 +357,29 @@ def _tile_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.cons
 
 
 @triton.jit
+def _tma_products(x_desc, w_desc, t0, col0, lo, TP: tl.constexpr, COLS: tl.constexpr,
+                  STEP: tl.constexpr, SLICE_STEPS: tl.constexpr, NATIVE: tl.constexpr,
+                  PDL: tl.constexpr):
+    """:func:`_tile_products` of 16-bit operands of one dtype whose tiles (tokens ``t0 ..``,
+    columns ``col0 ..``, inner-dim elements ``lo ..``) are copied by TMA (Hopper's tensor
+    memory accelerator; zeros past either operand's edges): the same products in the same
+    order. PDL: waits for the kernel before first."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([TP, COLS], tl.float32)
+    for step in range(SLICE_STEPS):
+        e0 = lo + step * STEP
+        x = x_desc.load([t0, e0])
+        w = w_desc.load([col0, e0])
+        if NATIVE:
+            acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
+                         input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _split_dot(x, w, acc):
     """``acc + x @ w.T`` for bf16 ``x`` and fp32 ``w`` in three bf16 products: ``w`` as the
     sum of three bf16 pieces (8 of its 24 significant bits each, exact), each product exact
@@ -414,21 +444,28 @@ def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, 
 
 @triton.jit
 def _q_partials(q_pid, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr, wqs_s0, wqs_s1,
-                qpart_ptr, tokens, q_width, N: tl.constexpr, TP: tl.constexpr,
-                Q_COLS: tl.constexpr, STEP: tl.constexpr, Q_STEPS: tl.constexpr,
-                WQ_SCALED: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+                ql_desc, wq_desc, qpart_ptr, tokens, q_width, N: tl.constexpr,
+                TP: tl.constexpr, Q_COLS: tl.constexpr, STEP: tl.constexpr,
+                Q_STEPS: tl.constexpr, WQ_SCALED: tl.constexpr, DOT: tl.constexpr,
+                Q_TMA: tl.constexpr, PDL: tl.constexpr):
     """``qpart[s, t, c]`` of program ``q_pid = s * Q_BLOCKS + block``: Q_COLS of the N
     columns of ``wq_b``, tokens ``t0 .. t0 + TP - 1`` (WQ_SCALED: fp8 ``wq_b`` with its
-    block scales at ``wqs_ptr``)."""
+    block scales at ``wqs_ptr``; Q_TMA: tiles copied through ``ql_desc`` and ``wq_desc``,
+    :func:`_tma_products`)."""
     Q_BLOCKS: tl.constexpr = (N + Q_COLS - 1) // Q_COLS
     t = t0 + tl.arange(0, TP)
     s = q_pid // Q_BLOCKS
     col0 = (q_pid % Q_BLOCKS) * Q_COLS
     col = col0 + tl.arange(0, Q_COLS)
-    w = (wq_ptr + col.to(tl.int64) * wq_s0, wq_s1, col0, wqs_ptr, wqs_s0, wqs_s1)
-    acc = _products(ql_ptr + t0.to(tl.int64) * ql_s0, ql_s0, ql_s1, w, col < N, tokens - t0,
-                    q_width, s * (Q_STEPS * STEP), TP, Q_COLS, STEP, Q_STEPS, WQ_SCALED, DOT,
-                    PDL)
+    lo = s * (Q_STEPS * STEP)
+    if Q_TMA:
+        acc = _tma_products(ql_desc, wq_desc, t0, col0, lo, TP, Q_COLS, STEP, Q_STEPS,
+                            DOT == 2, PDL)
+    else:
+        w = (wq_ptr + col.to(tl.int64) * wq_s0, wq_s1, col0, wqs_ptr, wqs_s0, wqs_s1)
+        acc = _products(ql_ptr + t0.to(tl.int64) * ql_s0, ql_s0, ql_s1, w, col < N,
+                        tokens - t0, q_width, lo, TP, Q_COLS, STEP, Q_STEPS, WQ_SCALED, DOT,
+                        PDL)
     out = qpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * N + col[None, :]
     tl.store(out, acc, mask=(t < tokens)[:, None] & (col < N)[None, :])
 
@@ -436,12 +473,12 @@ def _q_partials(q_pid, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr, 
 @triton.jit
 def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_s1, wks_ptr,
                      wks_s0, wks_s1, wp_ptr, wp_s0, wp_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr,
-                     wqs_s0, wqs_s1, hpart_ptr, qpart_ptr, tokens, width, q_width,
-                     D: tl.constexpr, H: tl.constexpr, TP: tl.constexpr, COLS: tl.constexpr,
-                     Q_COLS: tl.constexpr, STEP: tl.constexpr, H_STEPS: tl.constexpr,
-                     Q_STEPS: tl.constexpr, H_PROGRAMS: tl.constexpr,
+                     wqs_s0, wqs_s1, ql_desc, wq_desc, hpart_ptr, qpart_ptr, tokens, width,
+                     q_width, D: tl.constexpr, H: tl.constexpr, TP: tl.constexpr,
+                     COLS: tl.constexpr, Q_COLS: tl.constexpr, STEP: tl.constexpr,
+                     H_STEPS: tl.constexpr, Q_STEPS: tl.constexpr, H_PROGRAMS: tl.constexpr,
                      WK_SCALED: tl.constexpr, WQ_SCALED: tl.constexpr, DOT: tl.constexpr,
-                     PDL: tl.constexpr):
+                     Q_TMA: tl.constexpr, PDL: tl.constexpr):
     """Program (i, j), tokens ``j * TP ..``: the first H_PROGRAMS programs i
     :func:`_hidden_partials` (over the hidden dim), the others :func:`_q_partials` (over the
     q_lora dim). PDL (programmatic dependent launch): a program may start while the kernel
@@ -456,8 +493,8 @@ def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_
                          STEP, H_STEPS, WK_SCALED, DOT, PDL)
     else:
         _q_partials(pid - H_PROGRAMS, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr,
-                    wqs_s0, wqs_s1, qpart_ptr, tokens, q_width, H * D, TP, Q_COLS, STEP,
-                    Q_STEPS, WQ_SCALED, DOT, PDL)
+                    wqs_s0, wqs_s1, ql_desc, wq_desc, qpart_ptr, tokens, q_width, H * D, TP,
+                    Q_COLS, STEP, Q_STEPS, WQ_SCALED, DOT, Q_TMA, PDL)
 
 
 @triton.jit
@@ -580,17 +617,24 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
     hpart = torch.empty(h_slices, n.tokens, n.head_dim + n.heads, **f32)
     qpart = torch.empty(q_slices, n.tokens, n.heads * n.head_dim, **f32)
     pdl, chain = pdl_enabled(hidden), chain_pdl(hidden, n.tokens <= CHAIN_ROWS, n.tokens)
+    q_tma = (plan.dot and wq_b_scale is None and q_latent.dtype == wq_b.dtype
+             and _tma_tiles(q_latent) and _tma_tiles(wq_b))
+    ql_desc = wq_desc = None
+    if q_tma:
+        ql_desc = TensorDescriptor.from_tensor(q_latent, [plan.tokens, plan.step])
+        wq_desc = TensorDescriptor.from_tensor(wq_b, [plan.q_cols, plan.step])
     launch(_partials_kernel,
            (h_slices * h_blocks + q_slices * q_blocks, triton.cdiv(n.tokens, plan.tokens)),
            hidden, *hidden.stride(), q_latent, *q_latent.stride(), wk, *wk.stride(),
            *_scale_args(wk_scale, wk), weights_proj, *weights_proj.stride(), wq_b,
-           *wq_b.stride(), *_scale_args(wq_b_scale, wq_b), hpart, qpart, n.tokens, n.width,
+           *wq_b.stride(), *_scale_args(wq_b_scale, wq_b), ql_desc, wq_desc, hpart, qpart,
+           n.tokens, n.width,
            n.q_width, D=n.head_dim, H=n.heads, TP=plan.tokens, COLS=COLS, Q_COLS=plan.q_cols,
            STEP=plan.step, H_STEPS=plan.hidden_steps, Q_STEPS=plan.q_steps,
            H_PROGRAMS=h_slices * h_blocks, WK_SCALED=wk_scale is not None,
            WQ_SCALED=wq_b_scale is not None,
-           DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0, PDL=pdl, num_warps=plan.warps,
-           **pdl_launch(pdl))
+           DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0, Q_TMA=q_tma, PDL=pdl,
+           num_warps=plan.warps, num_stages=plan.stages, **pdl_launch(pdl))
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
     block_d = triton.next_power_of_2(n.head_dim)
@@ -607,6 +651,17 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            VALUE_STRIDE=values.stride(0), SCALE_STRIDE=scales.stride(0), BS=block_size,
            UE8M0=ue8m0, num_warps=tile_warps(block_r, block_d), PDL=chain,
            **rope_constexprs(n.head_dim, cos_sin, hadamard), **pdl_launch(chain > 0))
+
+
+def _tma_tiles(t: Tensor) -> bool:
+    """Whether TMA can copy tiles of 2-D ``t``: 16-bit rows of unit stride at a 16-byte
+    aligned address and row pitch, on an NVIDIA GPU of compute capability 9 or more (or the
+    CPU, where the interpreter runs the kernel)."""
+    if t.is_cuda and (torch.version.hip is not None
+                      or torch.cuda.get_device_capability(t.device)[0] < 9):
+        return False
+    return (t.dtype in (torch.bfloat16, torch.float16) and t.stride(1) == 1
+            and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0)
 
 
 def _scale_args(scale: Tensor | None, weight: Tensor) -> tuple[Tensor, int, int]:
