@@ -280,33 +280,22 @@ def _weight_tile(w, rows_ok, e0, e, width, dtype: tl.constexpr, SCALED: tl.const
                    mask=rows_ok[:, None] & (e < width)[None, :], other=0.0)
     factor = tl.full([], 1.0, tl.float32)
     if SCALED:
-        tile, factor = _dequantized(tile, (s_ptr, s_s0, s_s1), row0, e0, width, dtype,
-                                    SCALE_SUMS)
+        e0 = tl.minimum(e0, width - 1)  # past the width: any block's scale, the codes are 0
+        scale = tl.load(s_ptr + (row0 // _BLOCK) * s_s0 + (e0 // _BLOCK) * s_s1)
+        codes = tile.to(tl.float32)
+        exact = _exact_scale(scale, dtype)
+        if SCALE_SUMS:
+            if exact:
+                values = codes
+                factor = scale
+            else:
+                values = round_to(codes * scale, dtype)
+        elif exact:
+            values = (codes * scale).to(dtype)
+        else:  # round_to: the interpreter's bf16 cast truncates
+            values = round_to(codes * scale, dtype).to(dtype)
+        tile = values
     return tile, factor
-
-
-@triton.jit
-def _dequantized(codes, scales, row0, e0, width, dtype: tl.constexpr, SCALE_SUMS: tl.constexpr):
-    """(fp8 ``codes`` of a tile whose rows from ``row0`` and columns from ``e0`` lie in one
-    block, times the block's scale (``scales``: pointer and strides) in ``dtype``; the
-    factor of their products' sums), as :func:`_weight_tile` describes."""
-    s_ptr, s_s0, s_s1 = scales
-    e0 = tl.minimum(e0, width - 1)  # past the width: any block's scale, the codes are 0
-    scale = tl.load(s_ptr + (row0 // _BLOCK) * s_s0 + (e0 // _BLOCK) * s_s1)
-    codes = codes.to(tl.float32)
-    factor = tl.full([], 1.0, tl.float32)
-    exact = _exact_scale(scale, dtype)
-    if SCALE_SUMS:
-        if exact:
-            values = codes
-            factor = scale
-        else:
-            values = round_to(codes * scale, dtype)
-    elif exact:
-        values = (codes * scale).to(dtype)
-    else:  # round_to: the interpreter's bf16 cast truncates
-        values = round_to(codes * scale, dtype).to(dtype)
-    return values, factor
 
 
 @triton.jit
@@ -368,14 +357,13 @@ def _tile_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.cons
 
 
 @triton.jit
-def _tma_products(x_desc, w_desc, scales, t0, col0, lo, width, TP: tl.constexpr,
-                  COLS: tl.constexpr, STEP: tl.constexpr, SLICE_STEPS: tl.constexpr,
-                  SCALED: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
-    """:func:`_tile_products` of 16-bit activations and weights of their dtype, or SCALED
-    fp8 weights with their block scales (``scales``: pointer and strides), whose tiles
-    (tokens ``t0 ..``, columns ``col0 ..``, inner-dim elements ``lo ..``) are copied by TMA
-    (Hopper's tensor memory accelerator; zeros past either operand's edges): the same
-    products in the same order. PDL: waits for the kernel before first."""
+def _tma_products(x_desc, w_desc, t0, col0, lo, TP: tl.constexpr, COLS: tl.constexpr,
+                  STEP: tl.constexpr, SLICE_STEPS: tl.constexpr, NATIVE: tl.constexpr,
+                  PDL: tl.constexpr):
+    """:func:`_tile_products` of 16-bit operands of one dtype whose tiles (tokens ``t0 ..``,
+    columns ``col0 ..``, inner-dim elements ``lo ..``) are copied by TMA (Hopper's tensor
+    memory accelerator; zeros past either operand's edges): the same products in the same
+    order. PDL: waits for the kernel before first."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([TP, COLS], tl.float32)
@@ -383,8 +371,6 @@ def _tma_products(x_desc, w_desc, scales, t0, col0, lo, width, TP: tl.constexpr,
         e0 = lo + step * STEP
         x = x_desc.load([t0, e0])
         w = w_desc.load([col0, e0])
-        if SCALED:
-            w, _ = _dequantized(w, scales, col0, e0, width, x.dtype, False)
         if NATIVE:
             acc = tl.dot(x, tl.trans(w), acc)
         else:
@@ -473,8 +459,8 @@ def _q_partials(q_pid, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr, 
     col = col0 + tl.arange(0, Q_COLS)
     lo = s * (Q_STEPS * STEP)
     if Q_TMA:
-        acc = _tma_products(ql_desc, wq_desc, (wqs_ptr, wqs_s0, wqs_s1), t0, col0, lo,
-                            q_width, TP, Q_COLS, STEP, Q_STEPS, WQ_SCALED, DOT == 2, PDL)
+        acc = _tma_products(ql_desc, wq_desc, t0, col0, lo, TP, Q_COLS, STEP, Q_STEPS,
+                            DOT == 2, PDL)
     else:
         w = (wq_ptr + col.to(tl.int64) * wq_s0, wq_s1, col0, wqs_ptr, wqs_s0, wqs_s1)
         acc = _products(ql_ptr + t0.to(tl.int64) * ql_s0, ql_s0, ql_s1, w, col < N,
@@ -631,8 +617,8 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
     hpart = torch.empty(h_slices, n.tokens, n.head_dim + n.heads, **f32)
     qpart = torch.empty(q_slices, n.tokens, n.heads * n.head_dim, **f32)
     pdl, chain = pdl_enabled(hidden), chain_pdl(hidden, n.tokens <= CHAIN_ROWS, n.tokens)
-    q_tma = (plan.dot and _tma_tiles(q_latent) and _tma_tiles(wq_b)
-             and (wq_b_scale is not None or wq_b.dtype == q_latent.dtype))
+    q_tma = (plan.dot and wq_b_scale is None and q_latent.dtype == wq_b.dtype
+             and _tma_tiles(q_latent) and _tma_tiles(wq_b))
     ql_desc = wq_desc = None
     if q_tma:
         ql_desc = TensorDescriptor.from_tensor(q_latent, [plan.tokens, plan.step])
@@ -668,13 +654,13 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
 
 
 def _tma_tiles(t: Tensor) -> bool:
-    """Whether TMA can copy tiles of 2-D ``t``: 16-bit or fp8 rows of unit stride at a
-    16-byte aligned address and row pitch, on an NVIDIA GPU of compute capability 9 or more
-    (or the CPU, where the interpreter runs the kernel)."""
+    """Whether TMA can copy tiles of 2-D ``t``: 16-bit rows of unit stride at a 16-byte
+    aligned address and row pitch, on an NVIDIA GPU of compute capability 9 or more (or the
+    CPU, where the interpreter runs the kernel)."""
     if t.is_cuda and (torch.version.hip is not None
                       or torch.cuda.get_device_capability(t.device)[0] < 9):
         return False
-    return (t.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) and t.stride(1) == 1
+    return (t.dtype in (torch.bfloat16, torch.float16) and t.stride(1) == 1
             and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0)
 
 
