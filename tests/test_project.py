@@ -13,6 +13,7 @@ import torch
 from faces import HAS_CUDA, face_tests, opcheck_test, validation_test
 from hypothesis import strategies as st
 from test_kcache import random_cache, random_slots
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dsa.ops import FACES, block_fp8, project
 from dsa.ops.kcache import kcache_views
@@ -223,6 +224,9 @@ def test_q_tiles_by_tma_where_they_can_be():
     assert not project._tma_tiles(torch.zeros(5, 1001, dtype=torch.bfloat16)[:, :1000])  # pitch
     assert not project._tma_tiles(x[:, 3:])  # address
     assert not project._tma_tiles(x.t())  # column stride
+    with FakeTensorMode():  # traced: sizes only, the same answers
+        fake = torch.zeros(5, 1000, dtype=torch.bfloat16)
+        assert project._tma_tiles(fake) and not project._tma_tiles(fake[:, 3:])
 
 
 def test_partial_sums_stay_inside_weight_blocks():

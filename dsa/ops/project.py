@@ -628,9 +628,8 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            hidden, *hidden.stride(), q_latent, *q_latent.stride(), wk, *wk.stride(),
            *_scale_args(wk_scale, wk), weights_proj, *weights_proj.stride(), wq_b,
            *wq_b.stride(), *_scale_args(wq_b_scale, wq_b), ql_desc, wq_desc, hpart, qpart,
-           n.tokens, n.width,
-           n.q_width, D=n.head_dim, H=n.heads, TP=plan.tokens, COLS=COLS, Q_COLS=plan.q_cols,
-           STEP=plan.step, H_STEPS=plan.hidden_steps, Q_STEPS=plan.q_steps,
+           n.tokens, n.width, n.q_width, D=n.head_dim, H=n.heads, TP=plan.tokens, COLS=COLS,
+           Q_COLS=plan.q_cols, STEP=plan.step, H_STEPS=plan.hidden_steps, Q_STEPS=plan.q_steps,
            H_PROGRAMS=h_slices * h_blocks, WK_SCALED=wk_scale is not None,
            WQ_SCALED=wq_b_scale is not None,
            DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0, Q_TMA=q_tma, PDL=pdl,
@@ -655,13 +654,15 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
 
 def _tma_tiles(t: Tensor) -> bool:
     """Whether TMA can copy tiles of 2-D ``t``: 16-bit rows of unit stride at a 16-byte
-    aligned address and row pitch, on an NVIDIA GPU of compute capability 9 or more (or the
-    CPU, where the interpreter runs the kernel)."""
+    aligned offset into their storage (whose base the allocator aligns) and row pitch, on an
+    NVIDIA GPU of compute capability 9 or more (or the CPU, where the interpreter runs the
+    kernel). Sizes only, no data pointer: the same answer for a traced (fake) tensor."""
     if t.is_cuda and (torch.version.hip is not None
                       or torch.cuda.get_device_capability(t.device)[0] < 9):
         return False
     return (t.dtype in (torch.bfloat16, torch.float16) and t.stride(1) == 1
-            and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0)
+            and t.storage_offset() * t.element_size() % 16 == 0
+            and t.stride(0) * t.element_size() % 16 == 0)
 
 
 def _scale_args(scale: Tensor | None, weight: Tensor) -> tuple[Tensor, int, int]:
