@@ -346,13 +346,21 @@ def _tile_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.cons
                     mask=(t < tokens)[:, None] & e_ok, other=0.0)
         w_tile, _ = _weight_tile(w, rows_ok, lo + step * STEP, e, width, x.dtype, SCALED,
                                  False)
-        if NATIVE and (x.dtype == w_tile.dtype) and (x.dtype != tl.float32):
-            acc = tl.dot(x, tl.trans(w_tile), acc)
-        elif NATIVE and (x.dtype == tl.bfloat16) and (w_tile.dtype == tl.float32):
-            acc = _split_dot(x, w_tile, acc)
-        else:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w_tile.to(tl.float32)), acc,
-                         input_precision="ieee")
+        acc = _tile_dot(x, w_tile, acc, NATIVE)
+    return acc
+
+
+@triton.jit
+def _tile_dot(x, w, acc, NATIVE: tl.constexpr):
+    """``acc + x @ w.T``, the products exact and summed in fp32: NATIVE, in the operands'
+    dtype where both share a 16-bit one (or :func:`_split_dot` for bf16 ``x`` and fp32
+    ``w``), else in fp32 (without TF32)."""
+    if NATIVE and (x.dtype == w.dtype) and (x.dtype != tl.float32):
+        acc = tl.dot(x, tl.trans(w), acc)
+    elif NATIVE and (x.dtype == tl.bfloat16) and (w.dtype == tl.float32):
+        acc = _split_dot(x, w, acc)
+    else:
+        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     return acc
 
 
@@ -369,13 +377,7 @@ def _tma_products(x_desc, w_desc, t0, col0, lo, TP: tl.constexpr, COLS: tl.const
     acc = tl.zeros([TP, COLS], tl.float32)
     for step in range(SLICE_STEPS):
         e0 = lo + step * STEP
-        x = x_desc.load([t0, e0])
-        w = w_desc.load([col0, e0])
-        if NATIVE:
-            acc = tl.dot(x, tl.trans(w), acc)
-        else:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
-                         input_precision="ieee")
+        acc = _tile_dot(x_desc.load([t0, e0]), w_desc.load([col0, e0]), acc, NATIVE)
     return acc
 
 
