@@ -110,6 +110,14 @@ def pdl_chain_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+def has_tma(x: torch.Tensor) -> bool:
+    """Whether kernels on ``x``'s device can copy tiles by TMA (Hopper's tensor memory
+    accelerator): an NVIDIA GPU of compute capability 9 or more (ROCm's devices are "cuda"
+    too), or the CPU, where the interpreter runs them."""
+    return not x.is_cuda or (torch.version.hip is None
+                             and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
 def pdl_launch(pdl: bool) -> dict[str, bool]:
     """The launch option of a kernel launched with programmatic dependent launch or not."""
     return {"launch_pdl": True} if pdl else {}

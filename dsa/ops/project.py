@@ -45,6 +45,7 @@ from dsa.ops._checks import check_size, check_tensor
 from dsa.ops._launch import (
     CHAIN_ROWS,
     chain_pdl,
+    has_tma,
     launch,
     pdl_chain_wait,
     pdl_enabled,
@@ -659,10 +660,7 @@ def _tma_tiles(t: Tensor) -> bool:
     aligned offset into their storage (whose base the allocator aligns) and row pitch, on an
     NVIDIA GPU of compute capability 9 or more (or the CPU, where the interpreter runs the
     kernel). Sizes only, no data pointer: the same answer for a traced (fake) tensor."""
-    if t.is_cuda and (torch.version.hip is not None
-                      or torch.cuda.get_device_capability(t.device)[0] < 9):
-        return False
-    return (t.dtype in (torch.bfloat16, torch.float16) and t.stride(1) == 1
+    return (has_tma(t) and t.dtype in (torch.bfloat16, torch.float16) and t.stride(1) == 1
             and t.storage_offset() * t.element_size() % 16 == 0
             and t.stride(0) * t.element_size() % 16 == 0)
 

@@ -30,7 +30,14 @@ from dsa.ops._checks import (
     check_size,
     check_tensor,
 )
-from dsa.ops._launch import CHAIN_KEYS, chain_pdl, launch, pdl_chain_wait, pdl_launch
+from dsa.ops._launch import (
+    CHAIN_KEYS,
+    chain_pdl,
+    has_tma,
+    launch,
+    pdl_chain_wait,
+    pdl_launch,
+)
 from dsa.ops._registry import dsa_op
 from dsa.ops.kcache import SCALE_BYTES, check_kv_cache, kcache_views, padded_block_table
 from dsa.ops.logits import deepgemm
@@ -145,8 +152,7 @@ def tma_unsupported_reason(kv_cache: Tensor, tile: int) -> str | None:
     box sides of at most 256 (head_dim a power of two from 32, the kernel's operand)."""
     num_blocks, block_size, _, width = kv_cache.shape
     head_dim = width - SCALE_BYTES
-    if kv_cache.is_cuda and (not _on_nvidia_gpu(kv_cache)
-                             or torch.cuda.get_device_capability(kv_cache.device)[0] < 9):
+    if not has_tma(kv_cache):
         return "the GPU has no TMA (an NVIDIA GPU of compute capability 9 or more has)"
     if not kv_cache.is_contiguous() or kv_cache.storage_offset() % 16:
         return "the cache is not contiguous at a 16-byte aligned offset"
