@@ -148,6 +148,21 @@ def test_project_token_tiles(tokens, dtype, weights):
     check_project("kernel", tokens, 700, 1000, 3, 32, 2, dtype, True, False, weights, tokens)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("weights_proj_16_bit", [False, True])
+def test_project_hidden_tiles_by_tma(weights_proj_16_bit):
+    """Hidden states and ``wk`` (and a 16-bit ``weights_proj``) whose rows TMA can copy: the
+    hidden product's tiles by TMA, the same sums as by pointers."""
+    if HAS_CUDA:
+        pytest.skip("the kernel face on CUDA tensors: test_project_gpu")
+    args = project_case(3, 37, 704, 1024, 3, 32)
+    if weights_proj_16_bit:
+        args = (*args[:7], args[7].to(torch.bfloat16), *args[8:])
+    assert project._tma_tiles(args[0]) and project._tma_tiles(args[3])
+    got = run_project("kernel", args)
+    assert_faces_close(got, the_chain(args))
+
+
 @pytest.mark.parametrize("face", ["cpu", pytest.param("kernel", marks=pytest.mark.interpret)])
 def test_project_strided_inputs(face):
     """Row-strided hidden states, latents and weights (views into wider buffers)."""

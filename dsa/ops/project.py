@@ -146,7 +146,9 @@ def partials_plan(tokens: int, fp8_q: bool = False, fp8_k: bool = False) -> Part
     "twenty-eighth"). Matrix products take 4 stages, their q tiles by TMA where the operands
     allow (``_tma_tiles``; bitwise the same sums): the kernel at T = 16 / 64 / 128 / 256 / 512
     9.1 / 11.1 / 13.8 / 23.4 / 38.8 us against 9.8 / 12.2 / 17.2 / 29.7 / 47.5 by pointers in
-    3 stages ("thirty-second")."""
+    3 stages ("thirty-second"); the hidden product's tiles too (hidden states, 16-bit ``wk``
+    and ``weights_proj`` of their dtype): in the layer step at (128, 32K) 15.4 against
+    16.3 us, at (64, 64K) 13.1 against 13.0 ("thirty-third")."""
     if tokens <= SMALL_TOKENS:
         step, hidden_steps, q_steps, warps = ONE_TOKEN_FP8 if fp8_q or fp8_k else ONE_TOKEN_16BIT
         return PartialsPlan(triton.next_power_of_2(tokens), False, step, hidden_steps,
@@ -413,13 +415,16 @@ def _products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.constexpr
 
 @triton.jit
 def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, wks_s0, wks_s1,
-                     wp_ptr, wp_s0, wp_s1, hpart_ptr, tokens, width, D: tl.constexpr,
-                     H: tl.constexpr, TP: tl.constexpr, COLS: tl.constexpr,
+                     wp_ptr, wp_s0, wp_s1, x_desc, wk_desc, wp_desc, hpart_ptr, tokens, width,
+                     D: tl.constexpr, H: tl.constexpr, TP: tl.constexpr, COLS: tl.constexpr,
                      STEP: tl.constexpr, H_STEPS: tl.constexpr, WK_SCALED: tl.constexpr,
-                     DOT: tl.constexpr, PDL: tl.constexpr):
+                     DOT: tl.constexpr, K_TMA: tl.constexpr, P_TMA: tl.constexpr,
+                     PDL: tl.constexpr):
     """``hpart[s, t, c]`` of program ``pid = s * H_BLOCKS + block``: COLS columns c of
     ``[wk; weights_proj]`` (k's D, then the H head weights), tokens ``t0 .. t0 + TP - 1``
-    (WK_SCALED: fp8 ``wk`` with its block scales at ``wks_ptr``)."""
+    (WK_SCALED: fp8 ``wk`` with its block scales at ``wks_ptr``; K_TMA, P_TMA: ``wk``'s,
+    ``weights_proj``'s tiles and the hidden states' copied through the descriptors,
+    :func:`_tma_products`)."""
     K_BLOCKS: tl.constexpr = (D + COLS - 1) // COLS
     H_BLOCKS: tl.constexpr = K_BLOCKS + (H + COLS - 1) // COLS
     c = tl.arange(0, COLS)
@@ -430,16 +435,24 @@ def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, 
     lo = s * (H_STEPS * STEP)
     if block < K_BLOCKS:
         rows = block * COLS + c
-        wk_tile = (wk_ptr + rows.to(tl.int64) * wk_s0, wk_s1, block * COLS, wks_ptr, wks_s0,
-                   wks_s1)
-        acc = _products(x, x_s0, x_s1, wk_tile, rows < D, tokens - t0, width, lo, TP, COLS, STEP,
-                        H_STEPS, WK_SCALED, DOT, PDL)
+        if K_TMA:
+            acc = _tma_products(x_desc, wk_desc, t0, block * COLS, lo, TP, COLS, STEP, H_STEPS,
+                                DOT == 2, PDL)
+        else:
+            wk_tile = (wk_ptr + rows.to(tl.int64) * wk_s0, wk_s1, block * COLS, wks_ptr,
+                       wks_s0, wks_s1)
+            acc = _products(x, x_s0, x_s1, wk_tile, rows < D, tokens - t0, width, lo, TP, COLS,
+                            STEP, H_STEPS, WK_SCALED, DOT, PDL)
         col, col_ok = rows, rows < D
     else:
         rows = (block - K_BLOCKS) * COLS + c
-        wp_tile = (wp_ptr + rows.to(tl.int64) * wp_s0, wp_s1, 0, wp_ptr, 0, 0)
-        acc = _products(x, x_s0, x_s1, wp_tile, rows < H, tokens - t0, width, lo, TP, COLS, STEP,
-                        H_STEPS, False, DOT, PDL)
+        if P_TMA:
+            acc = _tma_products(x_desc, wp_desc, t0, (block - K_BLOCKS) * COLS, lo, TP, COLS,
+                                STEP, H_STEPS, DOT == 2, PDL)
+        else:
+            wp_tile = (wp_ptr + rows.to(tl.int64) * wp_s0, wp_s1, 0, wp_ptr, 0, 0)
+            acc = _products(x, x_s0, x_s1, wp_tile, rows < H, tokens - t0, width, lo, TP, COLS,
+                            STEP, H_STEPS, False, DOT, PDL)
         col, col_ok = D + rows, rows < H
     out = hpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * (D + H) + col[None, :]
     tl.store(out, acc, mask=(t < tokens)[:, None] & col_ok[None, :])
@@ -476,12 +489,13 @@ def _q_partials(q_pid, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr, 
 @triton.jit
 def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_s1, wks_ptr,
                      wks_s0, wks_s1, wp_ptr, wp_s0, wp_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr,
-                     wqs_s0, wqs_s1, ql_desc, wq_desc, hpart_ptr, qpart_ptr, tokens, width,
-                     q_width, D: tl.constexpr, H: tl.constexpr, TP: tl.constexpr,
-                     COLS: tl.constexpr, Q_COLS: tl.constexpr, STEP: tl.constexpr,
-                     H_STEPS: tl.constexpr, Q_STEPS: tl.constexpr, H_PROGRAMS: tl.constexpr,
-                     WK_SCALED: tl.constexpr, WQ_SCALED: tl.constexpr, DOT: tl.constexpr,
-                     Q_TMA: tl.constexpr, PDL: tl.constexpr):
+                     wqs_s0, wqs_s1, x_desc, wk_desc, wp_desc, ql_desc, wq_desc, hpart_ptr,
+                     qpart_ptr, tokens, width, q_width, D: tl.constexpr, H: tl.constexpr,
+                     TP: tl.constexpr, COLS: tl.constexpr, Q_COLS: tl.constexpr,
+                     STEP: tl.constexpr, H_STEPS: tl.constexpr, Q_STEPS: tl.constexpr,
+                     H_PROGRAMS: tl.constexpr, WK_SCALED: tl.constexpr,
+                     WQ_SCALED: tl.constexpr, DOT: tl.constexpr, K_TMA: tl.constexpr,
+                     P_TMA: tl.constexpr, Q_TMA: tl.constexpr, PDL: tl.constexpr):
     """Program (i, j), tokens ``j * TP ..``: the first H_PROGRAMS programs i
     :func:`_hidden_partials` (over the hidden dim), the others :func:`_q_partials` (over the
     q_lora dim). PDL (programmatic dependent launch): a program may start while the kernel
@@ -492,8 +506,9 @@ def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_
     t0 = tl.program_id(1) * TP
     if pid < H_PROGRAMS:
         _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, wks_s0,
-                         wks_s1, wp_ptr, wp_s0, wp_s1, hpart_ptr, tokens, width, D, H, TP, COLS,
-                         STEP, H_STEPS, WK_SCALED, DOT, PDL)
+                         wks_s1, wp_ptr, wp_s0, wp_s1, x_desc, wk_desc, wp_desc, hpart_ptr,
+                         tokens, width, D, H, TP, COLS, STEP, H_STEPS, WK_SCALED, DOT, K_TMA,
+                         P_TMA, PDL)
     else:
         _q_partials(pid - H_PROGRAMS, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr,
                     wqs_s0, wqs_s1, ql_desc, wq_desc, qpart_ptr, tokens, q_width, H * D, TP,
@@ -626,16 +641,28 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
     if q_tma:
         ql_desc = TensorDescriptor.from_tensor(q_latent, [plan.tokens, plan.step])
         wq_desc = TensorDescriptor.from_tensor(wq_b, [plan.q_cols, plan.step])
+    x_tma = plan.dot and _tma_tiles(hidden)
+    k_tma = x_tma and wk_scale is None and wk.dtype == hidden.dtype and _tma_tiles(wk)
+    p_tma = (x_tma and weights_proj.dtype == hidden.dtype and _tma_tiles(weights_proj))
+    x_desc = wk_desc = wp_desc = None
+    if k_tma or p_tma:
+        x_desc = TensorDescriptor.from_tensor(hidden, [plan.tokens, plan.step])
+    if k_tma:
+        wk_desc = TensorDescriptor.from_tensor(wk, [COLS, plan.step])
+    if p_tma:
+        wp_desc = TensorDescriptor.from_tensor(weights_proj, [COLS, plan.step])
     launch(_partials_kernel,
            (h_slices * h_blocks + q_slices * q_blocks, triton.cdiv(n.tokens, plan.tokens)),
            hidden, *hidden.stride(), q_latent, *q_latent.stride(), wk, *wk.stride(),
            *_scale_args(wk_scale, wk), weights_proj, *weights_proj.stride(), wq_b,
-           *wq_b.stride(), *_scale_args(wq_b_scale, wq_b), ql_desc, wq_desc, hpart, qpart,
+           *wq_b.stride(), *_scale_args(wq_b_scale, wq_b), x_desc, wk_desc, wp_desc, ql_desc,
+           wq_desc, hpart, qpart,
            n.tokens, n.width, n.q_width, D=n.head_dim, H=n.heads, TP=plan.tokens, COLS=COLS,
            Q_COLS=plan.q_cols, STEP=plan.step, H_STEPS=plan.hidden_steps, Q_STEPS=plan.q_steps,
            H_PROGRAMS=h_slices * h_blocks, WK_SCALED=wk_scale is not None,
            WQ_SCALED=wq_b_scale is not None,
-           DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0, Q_TMA=q_tma, PDL=pdl,
+           DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0, K_TMA=k_tma, P_TMA=p_tma,
+           Q_TMA=q_tma, PDL=pdl,
            num_warps=plan.warps, num_stages=plan.stages, **pdl_launch(pdl))
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
