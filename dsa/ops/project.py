@@ -643,7 +643,7 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
         wq_desc = TensorDescriptor.from_tensor(wq_b, [plan.q_cols, plan.step])
     x_tma = plan.dot and _tma_tiles(hidden)
     k_tma = x_tma and wk_scale is None and wk.dtype == hidden.dtype and _tma_tiles(wk)
-    p_tma = (x_tma and weights_proj.dtype == hidden.dtype and _tma_tiles(weights_proj))
+    p_tma = x_tma and weights_proj.dtype == hidden.dtype and _tma_tiles(weights_proj)
     x_desc = wk_desc = wp_desc = None
     if k_tma or p_tma:
         x_desc = TensorDescriptor.from_tensor(hidden, [plan.tokens, plan.step])
@@ -656,9 +656,9 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            hidden, *hidden.stride(), q_latent, *q_latent.stride(), wk, *wk.stride(),
            *_scale_args(wk_scale, wk), weights_proj, *weights_proj.stride(), wq_b,
            *wq_b.stride(), *_scale_args(wq_b_scale, wq_b), x_desc, wk_desc, wp_desc, ql_desc,
-           wq_desc, hpart, qpart,
-           n.tokens, n.width, n.q_width, D=n.head_dim, H=n.heads, TP=plan.tokens, COLS=COLS,
-           Q_COLS=plan.q_cols, STEP=plan.step, H_STEPS=plan.hidden_steps, Q_STEPS=plan.q_steps,
+           wq_desc, hpart, qpart, n.tokens, n.width, n.q_width, D=n.head_dim, H=n.heads,
+           TP=plan.tokens, COLS=COLS, Q_COLS=plan.q_cols, STEP=plan.step,
+           H_STEPS=plan.hidden_steps, Q_STEPS=plan.q_steps,
            H_PROGRAMS=h_slices * h_blocks, WK_SCALED=wk_scale is not None,
            WQ_SCALED=wq_b_scale is not None,
            DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0, K_TMA=k_tma, P_TMA=p_tma,
