@@ -150,9 +150,9 @@ def test_project_token_tiles(tokens, dtype, weights):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("weights_proj_16_bit", [False, True])
-def test_project_hidden_tiles_by_tma(weights_proj_16_bit):
+def test_project_hidden_tiles_by_tma(weights_proj_16_bit, monkeypatch):
     """Hidden states and ``wk`` (and a 16-bit ``weights_proj``) whose rows TMA can copy: the
-    hidden product's tiles by TMA, the same sums as by pointers."""
+    hidden product's tiles by TMA, bit for bit the sums of the pointer path."""
     if HAS_CUDA:
         pytest.skip("the kernel face on CUDA tensors: test_project_gpu")
     args = project_case(3, 37, 704, 1024, 3, 32)
@@ -161,6 +161,10 @@ def test_project_hidden_tiles_by_tma(weights_proj_16_bit):
     assert project._tma_tiles(args[0]) and project._tma_tiles(args[3])
     got = run_project("kernel", args)
     assert_faces_close(got, the_chain(args))
+    monkeypatch.setattr(project, "_tma_tiles", lambda t: False)
+    by_pointers = run_project("kernel", args)
+    assert torch.equal(got[0].view(torch.uint8), by_pointers[0].view(torch.uint8))
+    assert torch.equal(got[1], by_pointers[1]) and torch.equal(got[2], by_pointers[2])
 
 
 @pytest.mark.parametrize("face", ["cpu", pytest.param("kernel", marks=pytest.mark.interpret)])
