@@ -222,6 +222,23 @@ def test_project_gpu_16_bit_weights_proj(tokens):
     assert_faces_close(run_project("kernel", args), the_chain(args))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [16, 64, 128, 256])
+@pytest.mark.parametrize("weights_proj_16_bit", [False, True])
+def test_project_gpu_tiles_by_tma_equal_pointers(tokens, weights_proj_16_bit, monkeypatch):
+    """V3.2's sizes: the matrix products' tiles by TMA give the pointer path's q_fp8, head
+    weights and cache bit for bit."""
+    args = project_case(tokens, tokens, 7168, 1536, 64, 128, rope_dim=64, block_size=64)
+    if weights_proj_16_bit:
+        args = (*args[:7], args[7].to(torch.bfloat16), *args[8:])
+    got = run_project("kernel", args)
+    monkeypatch.setattr(project, "_tma_tiles", lambda t: False)
+    by_pointers = run_project("kernel", args)
+    assert torch.equal(got[0].view(torch.uint8), by_pointers[0].view(torch.uint8))
+    assert torch.equal(got[1], by_pointers[1]) and torch.equal(got[2], by_pointers[2])
+
+
 def fp8_weights(args: tuple, ue8m0: bool) -> tuple[tuple, tuple]:
     """``args`` with ``wq_b`` and ``wk`` quantised to fp8 blocks (their scales last), and
     with the same weights dequantised."""
