@@ -326,3 +326,28 @@ def test_decode_metadata_auto_backend_by_bucket(monkeypatch):
     assert seen == [(1, 8, 32768), (1, 64, 32768), (1, 64, 8192)]
     assert [real("auto", torch.device("cuda"), 64, 128, 64, *args) for args in seen] == [
         "triton", "deepgemm", "triton"]
+
+
+def _deep_gemm_missing():
+    """``deepgemm.deep_gemm`` where the package is not installed (an import that fails)."""
+    try:
+        import dsa_no_such_module  # noqa: F401
+    except ImportError:
+        return None
+
+
+@pytest.mark.parametrize("next_n", [2, 3, 4])
+def test_auto_backend_compiles_without_deep_gemm(monkeypatch, next_n):
+    """On a Hopper GPU without DeepGEMM, ``auto`` resolves under torch.compile(fullgraph=True)
+    to Triton: the package's import is a trace-time constant, not traced (an import failure
+    inside the trace would fail the whole graph)."""
+    monkeypatch.setattr(deepgemm, "deep_gemm", _deep_gemm_missing)
+    monkeypatch.setattr(deepgemm, "arch_major", lambda _: 9)
+    cuda = torch.device("cuda")
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        backend = paged.paged_backend("auto", cuda, 64, 128, 64, next_n, 64, 65536)
+        return x + (1 if backend == "triton" else 2)
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(step, fullgraph=True)(torch.zeros(2)), torch.ones(2))

@@ -41,6 +41,14 @@ def deep_gemm() -> ModuleType | None:
     return module
 
 
+@torch.compiler.assume_constant_result
+def deep_gemm_importable() -> bool:
+    """Whether ``deep_gemm`` imports. A constant to torch.compile, which otherwise traces the
+    import inside :func:`deep_gemm` (it ignores the cache) and fails the whole graph where the
+    package is missing."""
+    return deep_gemm() is not None
+
+
 def arch_major(device: torch.device) -> int:
     """Compute-capability major of a CUDA device; 0 for any other device."""
     if device.type != "cuda":
@@ -58,7 +66,7 @@ def _backend_reason(device: torch.device) -> str | None:
                 "which dsa does not implement")
     if major != 9:
         return f"it needs an sm_90 (Hopper) GPU, got sm_{major}x"
-    if deep_gemm() is None:
+    if not deep_gemm_importable():
         return "the `deep_gemm` package cannot be imported"
     return api_mismatch()
 
