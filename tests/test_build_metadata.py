@@ -16,7 +16,7 @@ from dsa.graphs import pad_batch
 from dsa.meta.batch import Batch
 from dsa.meta.decode import build_decode_metadata, max_context_len
 from dsa.meta.prefill import build_prefill_metadata
-from dsa.ops.logits import deepgemm, paged
+from dsa.ops.logits import deepgemm, paged, ragged
 from tests import reference_meta as ref
 from tests.batches import random_decode_batch, table_width
 from tests.faces import CPU_EXAMPLES
@@ -336,17 +336,21 @@ def _deep_gemm_missing():
         return None
 
 
-@pytest.mark.parametrize("next_n", [2, 3, 4])
+@pytest.mark.parametrize("next_n", [0, 2, 3, 4])
 def test_auto_backend_compiles_without_deep_gemm(monkeypatch, next_n):
     """On a Hopper GPU without DeepGEMM, ``auto`` resolves under torch.compile(fullgraph=True)
-    to Triton: the package's import is a trace-time constant, not traced (an import failure
-    inside the trace would fail the whole graph)."""
+    to Triton, for paged logits (next_n 2-4) and ragged ones (prefill, next_n 0 here): the
+    package's import is a trace-time constant, not traced (an import failure inside the
+    trace would fail the whole graph)."""
     monkeypatch.setattr(deepgemm, "deep_gemm", _deep_gemm_missing)
     monkeypatch.setattr(deepgemm, "arch_major", lambda _: 9)
     cuda = torch.device("cuda")
 
     def step(x: torch.Tensor) -> torch.Tensor:
-        backend = paged.paged_backend("auto", cuda, 64, 128, 64, next_n, 64, 65536)
+        if next_n:
+            backend = paged.paged_backend("auto", cuda, 64, 128, 64, next_n, 64, 65536)
+        else:
+            backend = ragged.ragged_backend("auto", cuda, 64, 128)
         return x + (1 if backend == "triton" else 2)
 
     torch._dynamo.reset()
