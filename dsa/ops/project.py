@@ -635,22 +635,14 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
     hpart = torch.empty(h_slices, n.tokens, n.head_dim + n.heads, **f32)
     qpart = torch.empty(q_slices, n.tokens, n.heads * n.head_dim, **f32)
     pdl, chain = pdl_enabled(hidden), chain_pdl(hidden, n.tokens <= CHAIN_ROWS, n.tokens)
-    q_tma = (plan.dot and wq_b_scale is None and q_latent.dtype == wq_b.dtype
-             and _tma_tiles(q_latent) and _tma_tiles(wq_b))
-    ql_desc = wq_desc = None
-    if q_tma:
-        ql_desc = TensorDescriptor.from_tensor(q_latent, [plan.tokens, plan.step])
-        wq_desc = TensorDescriptor.from_tensor(wq_b, [plan.q_cols, plan.step])
-    x_tma = plan.dot and _tma_tiles(hidden)
-    k_tma = x_tma and wk_scale is None and wk.dtype == hidden.dtype and _tma_tiles(wk)
-    p_tma = x_tma and weights_proj.dtype == hidden.dtype and _tma_tiles(weights_proj)
-    x_desc = wk_desc = wp_desc = None
-    if k_tma or p_tma:
-        x_desc = TensorDescriptor.from_tensor(hidden, [plan.tokens, plan.step])
-    if k_tma:
-        wk_desc = TensorDescriptor.from_tensor(wk, [COLS, plan.step])
-    if p_tma:
-        wp_desc = TensorDescriptor.from_tensor(weights_proj, [COLS, plan.step])
+    q_tma = plan.dot and _tma_operands(q_latent, wq_b, wq_b_scale)
+    k_tma = plan.dot and _tma_operands(hidden, wk, wk_scale)
+    p_tma = plan.dot and _tma_operands(hidden, weights_proj)
+    x_desc = _tile_descriptor(hidden, plan.tokens, plan.step, k_tma or p_tma)
+    wk_desc = _tile_descriptor(wk, COLS, plan.step, k_tma)
+    wp_desc = _tile_descriptor(weights_proj, COLS, plan.step, p_tma)
+    ql_desc = _tile_descriptor(q_latent, plan.tokens, plan.step, q_tma)
+    wq_desc = _tile_descriptor(wq_b, plan.q_cols, plan.step, q_tma)
     launch(_partials_kernel,
            (h_slices * h_blocks + q_slices * q_blocks, triton.cdiv(n.tokens, plan.tokens)),
            hidden, *hidden.stride(), q_latent, *q_latent.stride(), wk, *wk.stride(),
@@ -690,6 +682,18 @@ def _tma_tiles(t: Tensor) -> bool:
     return (has_tma(t) and t.dtype in (torch.bfloat16, torch.float16) and t.stride(1) == 1
             and t.storage_offset() * t.element_size() % 16 == 0
             and t.stride(0) * t.element_size() % 16 == 0)
+
+
+def _tma_operands(x: Tensor, w: Tensor, w_scale: Tensor | None = None) -> bool:
+    """Whether a product's activation and weight tiles both go by TMA: a weight without
+    block scales (fp8 codes are scaled as they are loaded), of the activations' dtype, and
+    both copyable (:func:`_tma_tiles`)."""
+    return w_scale is None and x.dtype == w.dtype and _tma_tiles(x) and _tma_tiles(w)
+
+
+def _tile_descriptor(t: Tensor, rows: int, cols: int, wanted: bool) -> TensorDescriptor | None:
+    """A TMA descriptor of ``[rows, cols]`` tiles of ``t`` where ``wanted``, else None."""
+    return TensorDescriptor.from_tensor(t, [rows, cols]) if wanted else None
 
 
 def _scale_args(scale: Tensor | None, weight: Tensor) -> tuple[Tensor, int, int]:
