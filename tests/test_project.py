@@ -159,12 +159,19 @@ def test_project_hidden_tiles_by_tma(weights_proj_16_bit, monkeypatch):
     if weights_proj_16_bit:
         args = (*args[:7], args[7].to(torch.bfloat16), *args[8:])
     assert project._tma_tiles(args[0]) and project._tma_tiles(args[3])
+    assert_faces_close(tma_tiles_equal_pointers(args, monkeypatch), the_chain(args))
+
+
+def tma_tiles_equal_pointers(args: tuple, monkeypatch) -> tuple:
+    """The kernel face's outputs with tiles by TMA where they can go, after checking them bit
+    for bit against the same launch with every tile by pointers."""
     got = run_project("kernel", args)
-    assert_faces_close(got, the_chain(args))
     monkeypatch.setattr(project, "_tma_tiles", lambda t: False)
     by_pointers = run_project("kernel", args)
+    monkeypatch.undo()
     assert torch.equal(got[0].view(torch.uint8), by_pointers[0].view(torch.uint8))
     assert torch.equal(got[1], by_pointers[1]) and torch.equal(got[2], by_pointers[2])
+    return got
 
 
 @pytest.mark.parametrize("face", ["cpu", pytest.param("kernel", marks=pytest.mark.interpret)])
@@ -232,11 +239,7 @@ def test_project_gpu_tiles_by_tma_equal_pointers(tokens, weights_proj_16_bit, mo
     args = project_case(tokens, tokens, 7168, 1536, 64, 128, rope_dim=64, block_size=64)
     if weights_proj_16_bit:
         args = (*args[:7], args[7].to(torch.bfloat16), *args[8:])
-    got = run_project("kernel", args)
-    monkeypatch.setattr(project, "_tma_tiles", lambda t: False)
-    by_pointers = run_project("kernel", args)
-    assert torch.equal(got[0].view(torch.uint8), by_pointers[0].view(torch.uint8))
-    assert torch.equal(got[1], by_pointers[1]) and torch.equal(got[2], by_pointers[2])
+    tma_tiles_equal_pointers(args, monkeypatch)
 
 
 def fp8_weights(args: tuple, ue8m0: bool) -> tuple[tuple, tuple]:
