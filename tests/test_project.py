@@ -213,8 +213,9 @@ def test_project_strided_inputs(face):
 def test_project_cancelled_head_weight(face, tokens, dtype):
     """One head whose ``weights_proj`` row is orthogonal to the first token's hidden state:
     that token's head weight cancels to about 1e-10 of its products, where the two faces'
-    sums part by more than any fraction of it (the floor is the sums' rounding, not the
-    token's largest weight: a hypothesis example with few heads failed so on the H200)."""
+    sums part by more than any fraction of it: the floor is the sums' rounding, not the
+    token's largest weight (the likely cause of a hypothesis failure on the H200 whose
+    example was lost)."""
     args = project_case(5, tokens, 700, 64, 1, 32, dtype)
     hidden, weights_proj = args[0].double(), args[7].double()
     first = hidden[0]
