@@ -60,10 +60,12 @@ def run_project(face: str, args: tuple) -> tuple[torch.Tensor, torch.Tensor, tor
     return q_fp8.cpu(), head_weights.cpu(), args[8].cpu()
 
 
-def the_chain(args: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What the op stands for on the CPU: the torch projections, then the two prologue ops."""
+def the_chain(args: tuple, projections: tuple | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the op stands for on the CPU: the torch projections (``projections``: their
+    ``project_torch`` outputs, already computed), then the two prologue ops."""
     cache = args[8].clone()
-    q, k, weights = project_torch(*args[:8])
+    q, k, weights = project_torch(*args[:8]) if projections is None else projections
     rotation = args[10:]
     torch.ops.dsa.rope_hadamard_quantize_and_cache_k(k, cache, args[9], *rotation)
     return (*torch.ops.dsa.rope_hadamard_quantize_q(q, weights, *rotation), cache)
@@ -82,14 +84,15 @@ def assert_codes_close(codes: torch.Tensor, scale: torch.Tensor, want: torch.Ten
     assert bool(((got - ref).abs() <= ref.abs() * 2.0**-3 + amax * 2.0**-6).all())
 
 
-def weight_floor(args: tuple) -> torch.Tensor:
+def weight_floor(args: tuple, projections: tuple) -> torch.Tensor:
     """``[T, H]``: how far two faces' head weights may part where their sums cancel: two fp32
     sums of the same ``width`` products in different orders (each add may truncate, as a
     tensor core's does) differ by at most ``width * 2**-22`` of the products' magnitudes
-    summed, scaled as the head weights are (the q op's head weights for unit weights)."""
+    summed, scaled as the head weights are (the q op's head weights for unit weights;
+    ``projections``: ``project_torch`` of ``args``)."""
     hidden, weights_proj = args[0].double(), args[7].double()
     magnitude = hidden.abs() @ weights_proj.abs().T
-    q, _, weights = project_torch(*args[:8])
+    q, _, weights = projections
     unit = torch.ops.dsa.rope_hadamard_quantize_q(q, torch.ones_like(weights), *args[10:])[1]
     return magnitude * unit.double() * hidden.shape[1] * 2.0**-22
 
@@ -101,8 +104,10 @@ def assert_faces_close(got: tuple, args: tuple) -> None:
     relative (a rounding of τ moves an amax by 2**-8 or less), a head weight also within
     its sum's rounding (:func:`weight_floor`); the cache slots whose bytes differ (those
     the faces wrote) compared so, the others equal."""
-    (q_fp8, head_weights, cache), (q_want, w_want, cache_want) = got, the_chain(args)
-    floor = weight_floor(args).float()
+    projections = project_torch(*args[:8])
+    q_fp8, head_weights, cache = got
+    q_want, w_want, cache_want = the_chain(args, projections)
+    floor = weight_floor(args, projections).float()
     assert bool(((head_weights - w_want).abs() <= w_want.abs() * 2.0**-6 + floor).all())
     assert_codes_close(q_fp8, w_want, q_want, w_want)  # a cancelled weight: any sign
     (values, scales), (values_want, scales_want) = kcache_views(cache), kcache_views(cache_want)
@@ -222,11 +227,13 @@ def test_project_cancelled_head_weight(face, tokens, dtype):
     weights_proj -= (weights_proj @ first)[:, None] * first[None, :] / (first @ first)
     args = (*args[:7], weights_proj.float(), *args[8:])
     got = run_project(face, args)
+    projections = project_torch(*args[:8])
+    want = the_chain(args, projections)
     if face == "cpu":
-        assert_same_outputs(got, the_chain(args))
+        assert_same_outputs(got, want)
     else:
         assert_faces_close(got, args)
-    assert float(the_chain(args)[1][0, 0].abs()) < 1e-3 * float(weight_floor(args)[0, 0])
+    assert float(want[1][0, 0].abs()) < 1e-3 * float(weight_floor(args, projections)[0, 0])
 
 
 @pytest.mark.gpu
