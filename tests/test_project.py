@@ -97,14 +97,15 @@ def weight_floor(args: tuple, projections: tuple) -> torch.Tensor:
     return magnitude * unit.double() * hidden.shape[1] * 2.0**-22
 
 
-def assert_faces_close(got: tuple, args: tuple) -> None:
+def assert_faces_close(got: tuple, args: tuple, projections: tuple | None = None) -> None:
     """The kernel face's outputs ``got`` against the CPU chain on ``args`` (fp8 weights
-    dequantised): q codes (by the chain's scales) and K cache rows as
-    :func:`assert_codes_close`; q scales (in the head weights) and k scales within 2**-6
-    relative (a rounding of τ moves an amax by 2**-8 or less), a head weight also within
-    its sum's rounding (:func:`weight_floor`); the cache slots whose bytes differ (those
-    the faces wrote) compared so, the others equal."""
-    projections = project_torch(*args[:8])
+    dequantised; ``projections``: its ``project_torch`` outputs, already computed): q codes
+    (by the chain's scales) and K cache rows as :func:`assert_codes_close`; q scales (in the
+    head weights) and k scales within 2**-6 relative (a rounding of τ moves an amax by 2**-8
+    or less), a head weight also within its sum's rounding (:func:`weight_floor`); the cache
+    slots whose bytes differ (those the faces wrote) compared so, the others equal."""
+    if projections is None:
+        projections = project_torch(*args[:8])
     q_fp8, head_weights, cache = got
     q_want, w_want, cache_want = the_chain(args, projections)
     floor = weight_floor(args, projections).float()
@@ -232,7 +233,7 @@ def test_project_cancelled_head_weight(face, tokens, dtype):
     if face == "cpu":
         assert_same_outputs(got, want)
     else:
-        assert_faces_close(got, args)
+        assert_faces_close(got, args, projections)
     assert float(want[1][0, 0].abs()) < 1e-3 * float(weight_floor(args, projections)[0, 0])
 
 
