@@ -343,18 +343,22 @@ def write_all(out_row, score_row, row_ptr, lo, valid, off, k, BLOCK: tl.constexp
 
 @triton.jit
 def region_offsets(counts_ptr, i, REGIONS: tl.constexpr, CAP: tl.constexpr):
-    """Candidates stored in REGIONS regions of CAP entries (``counts_ptr``: their counts),
-    read as one sequence: the offsets of entries ``i`` (themselves past the last), the
-    total and the largest count."""
+    """Candidates stored in REGIONS regions of CAP entries (``counts_ptr``: their counts,
+    each at most CAP where the entries are read), read as one sequence: the offsets of
+    entries ``i`` (themselves past the last), the total and the largest count. Entry ``i``
+    of region ``p`` (``i`` at least the counts before it, ``before[p]``) lies at ``p * CAP
+    + i - before[p]``: ``i`` plus, for each region it is past, that region's unused room
+    (one compare and one select a region and entry)."""
+    count = tl.load(counts_ptr)
     src = i
-    total = tl.zeros([], tl.int32)
-    largest = tl.zeros([], tl.int32)
-    for p in tl.static_range(REGIONS):
+    total = count
+    largest = count
+    for p in tl.static_range(1, REGIONS):
+        src += tl.where(i >= total, CAP - count, 0)
         count = tl.load(counts_ptr + p)
-        src = tl.where((i >= total) & (i - total < count), p * CAP + i - total, src)
         total += count
         largest = tl.maximum(largest, count)
-    return src, total, largest
+    return tl.where(i < total, src, i), total, largest
 
 
 @triton.jit
