@@ -207,7 +207,8 @@ def bench_variant(rows: int, n: int, tuning: dict, seeds: int = 1) -> list[str]:
 
 def default_parts(rows: int, n: int) -> int:
     return choose_parts(rows, n, target_programs=TUNING.target_programs,
-                        min_part_cols=TUNING.min_part_cols, max_parts=TUNING.max_parts)
+                        min_part_cols=TUNING.min_part_cols, max_parts=TUNING.max_parts,
+                        max_parts_programs=TUNING.max_parts_programs)
 
 
 def parse_value(text: str) -> int | float | str:

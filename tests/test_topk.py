@@ -410,6 +410,9 @@ def test_choose_parts():
     assert choose_parts(1, 65536) == 16
     assert choose_parts(1, 1 << 20) == 16
     assert choose_parts(64, 65536) == 4
+    assert choose_parts(8, 65536) == 16
+    assert choose_parts(16, 65536) == 8  # 16 parts a row only within 128 programs
+    assert choose_parts(16, 65536, max_parts_programs=256) == 16
     assert choose_parts(256, 8192) == 1
     assert choose_parts(0, 0) == 1
 
