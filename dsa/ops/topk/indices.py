@@ -226,7 +226,7 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
                    SLOTS: tl.constexpr, BS: tl.constexpr, RADIX: tl.constexpr,
                    PIVOTS: tl.constexpr, STREAM_RADIX: tl.constexpr,
                    STREAM_PIVOTS: tl.constexpr, LOWEST: tl.constexpr, SCORES: tl.constexpr,
-                   PDL: tl.constexpr):
+                   CANDIDATES: tl.constexpr, PDL: tl.constexpr):
     """Program per row: ``valid <= k``: all; ``valid <= CAP``: the row read whole into
     registers; else the parts' candidates: in registers (at most CAP), streamed from the
     parts' regions (more than CAP, each part's stored whole), or, when they are not all
@@ -235,7 +235,8 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
     keys, where the candidates hold them out of order). SCORES: the selected
     logits (fp32) are written too, -inf past the valid ones. With SLOTS, the row's indices
     are then read back and written as cache slots (``indices_to_slots`` of the row).
-    STREAM_RADIX, STREAM_PIVOTS: the streamed searches' RADIX and PIVOTS."""
+    STREAM_RADIX, STREAM_PIVOTS: the streamed searches' RADIX and PIVOTS. CANDIDATES: rows
+    may be longer than CAP (``n_cols > CAP``: the candidates pass ran)."""
     pdl_chain_wait(PDL)
     row = tl.program_id(0)
     row_ptr = logits_ptr + unaligned_offset(row, stride_row)
@@ -246,6 +247,11 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
         table_row, req_ok = request_row(table_ptr, table_stride, tl.load(req_ptr + row),
                                         num_reqs)
     lo, hi, off = row_range(lengths_ptr, starts_ptr, row, n_cols, HAS_STARTS)
+    counts = count_ptr + row * PARTS
+    if CANDIDATES:  # the regions' offsets, their counts read with the length (which decides)
+        src, total, largest = region_offsets(counts, j, PARTS, CAP)
+    else:
+        src, total, largest = j, lo * 0, lo * 0
     out_row = out_ptr + row.to(tl.int64) * k
     score_row = score_ptr + row.to(tl.int64) * k
     if hi - lo <= k:
@@ -259,9 +265,7 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
         select_write(keys, j + off, member, hi - lo, k, out_row, score_row, CAP, RADIX,
                      PIVOTS, LOWEST, SCORES)
     else:
-        counts = count_ptr + row * PARTS
         cand_row = cand_ptr + row.to(tl.int64) * (PARTS * CAP)
-        src, total, largest = region_offsets(counts, j, PARTS, CAP)
         if (total >= k) & (total <= CAP):
             member = j < total
             packed = gather(cand_row + src, member, CAP)
@@ -539,6 +543,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
         C=min(select_cap, block, 128 * select_warps), BLOCK=block, FINISH_BLOCK=finish_block,
         STREAM_RADIX=stream_radix, STREAM_PIVOTS=stream_pivots,
         PRELOAD=n_cols <= select_cap and starts is None and rows <= tune.preload_rows,
+        CANDIDATES=n_cols > select_cap,
         num_warps=select_warps, **flags, **slot_flags,
         **_regs(tune.select_regs, SELECT_REGS, rows, tune.scale_rows),
     )
