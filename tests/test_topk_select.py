@@ -1,7 +1,8 @@
-"""The top-k's building block ``select_positions`` (dsa/ops/topk/select.py) on its own: the
-k largest member keys of a tile and their output slots, for every search, with ties broken
-either way, down to ``count == k`` (every member taken) and members whose key is the
-smallest int32 (the key of a NaN with every bit set), which non-members share."""
+"""The top-k's building blocks (dsa/ops/topk/select.py) on their own: ``select_positions``,
+the k largest member keys of a tile and their output slots, for every search, with ties
+broken either way, down to ``count == k`` (every member taken) and members whose key is the
+smallest int32 (the key of a NaN with every bit set), which non-members share; and
+``region_offsets``, where the candidates of the parts' regions lie read as one sequence."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import triton.language as tl
 from faces import HAS_CUDA, KERNEL_MARK
 
 from dsa.ops.topk.indices import SEARCHES
-from dsa.ops.topk.select import select_positions, tile
+from dsa.ops.topk.select import region_offsets, select_positions, tile
 
 R, C = 2, 32
 N = R * C
@@ -72,3 +73,32 @@ def test_select_positions(members, k, search, lowest):
         tied = (member_keys == kth).nonzero().view(-1)
         n_tied_taken = int(taken[:count][tied].sum())
         assert taken[:count][tied[:n_tied_taken]].all()
+
+
+@triton.jit
+def _region_offsets_kernel(counts_ptr, src_ptr, sums_ptr, REGIONS: tl.constexpr,
+                           CAP: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    j = tile(R, C)
+    src, total, largest = region_offsets(counts_ptr, j, REGIONS, CAP)
+    tl.store(src_ptr + j, src)
+    tl.store(sums_ptr + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, total, largest))
+
+
+@KERNEL_MARK
+@pytest.mark.parametrize("counts", [[5], [0, 7, 0, 3], [8, 8, 8, 8], [0, 0, 0, 0],
+                                    [3, 0, 8, 1, 0, 0, 2, 8, 5, 0, 0, 1, 7, 0, 4, 6]],
+                         ids=["one region", "empty regions", "full regions", "none",
+                              "sixteen regions"])
+def test_region_offsets(counts):
+    """Entry ``i`` of the sequence lies at ``p * CAP + i - (the counts before region p)`` in
+    its region ``p``; entries past the total keep their own index."""
+    cap = 8
+    n = 2 * C
+    src = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    sums = torch.empty(2, dtype=torch.int32, device=DEVICE)
+    _region_offsets_kernel[(1,)](torch.tensor(counts, dtype=torch.int32, device=DEVICE), src,
+                                 sums, REGIONS=len(counts), CAP=cap, R=2, C=C)
+    expected = [p * cap + e for p, count in enumerate(counts) for e in range(count)]
+    expected += list(range(len(expected), n))
+    assert src.cpu().tolist() == expected[:n]
+    assert sums.cpu().tolist() == [sum(counts), max(counts)]
