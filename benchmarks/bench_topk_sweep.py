@@ -48,7 +48,7 @@ from _report import (  # noqa: E402
 )
 from test_topk import check_topk  # noqa: E402
 
-from dsa.ops.topk.indices import TUNING, SlotArgs, choose_parts, launch_topk  # noqa: E402
+from dsa.ops.topk.indices import TUNING, SlotArgs, launch_topk  # noqa: E402
 
 ops = torch.ops.dsa
 TOPK = 2048
@@ -205,12 +205,6 @@ def bench_variant(rows: int, n: int, tuning: dict, seeds: int = 1) -> list[str]:
     return [f"{sum(col) / seeds:.1f} / {max(col):.1f}" for col in zip(*times)]
 
 
-def default_parts(rows: int, n: int) -> int:
-    return choose_parts(rows, n, target_programs=TUNING.target_programs,
-                        min_part_cols=TUNING.min_part_cols, max_parts=TUNING.max_parts,
-                        max_parts_programs=TUNING.max_parts_programs)
-
-
 def parse_value(text: str) -> int | float | str:
     """A ``--variant`` value: an int, a float (with a dot) or a string (``search=radix``)."""
     try:
@@ -262,7 +256,7 @@ def main() -> None:
     notes = (f"k={TOPK}, block_size={BLOCK_SIZE}; µs per call from CUDA-graph replays "
              "(warm: logits in L2, (T(11 calls) - T(1)) / 10; flushed: one call after L2 is "
              f"cleared); TUNING: {dataclasses.asdict(TUNING)}; candidates programs per row: "
-             + ", ".join(f"{rows}x{n}: {default_parts(rows, n)}" for rows, n in SHAPES))
+             + ", ".join(f"{rows}x{n}: {TUNING.parts(rows, n)}" for rows, n in SHAPES))
     seeds_note = (f"; each the mean / worst of {args.seeds} random cases" if args.seeds > 1
                   else "")
     variant_table = markdown_table(

@@ -457,6 +457,13 @@ class Tuning:
     streamed_search: str | None = "quintisect"  # a row streamed: 207 µs vs 336 (trisect)
     early_load: bool = True  # H200, with width 8: 20.7 µs vs 22.2 at 2x128K (late load)
 
+    def parts(self, rows: int, n_cols: int) -> int:
+        """Candidates programs a row of ``rows`` rows of ``n_cols`` columns (:func:`choose_parts`
+        with these fields)."""
+        return choose_parts(rows, n_cols, target_programs=self.target_programs,
+                            min_part_cols=self.min_part_cols, max_parts=self.max_parts,
+                            max_parts_programs=self.max_parts_programs)
+
 
 TUNING = Tuning()
 
@@ -490,9 +497,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
     if rows == 0:
         return out
     if parts is None:
-        parts = choose_parts(rows, n_cols, target_programs=tune.target_programs,
-                             min_part_cols=tune.min_part_cols, max_parts=tune.max_parts,
-                             max_parts_programs=tune.max_parts_programs)
+        parts = tune.parts(rows, n_cols)
     block = choose_block(parts) if tune.block is None else tune.block
     if select_cap is None:
         row_cols = tune.row_cols if rows < tune.scale_rows else tune.scale_row_cols
