@@ -105,6 +105,7 @@ def _paged_read_kernel(cache_ptr, table_ptr, out_ptr, width, table_stride, parts
         i = part * BLOCKS + j
         block = tl.load(table_ptr + row * table_stride + i, mask=i < width, other=0)
         base = cache_ptr + block.to(tl.int64) * BLOCK_WORDS
+        # masks as wide as the loads (the interpreter takes no scalar mask on a tensor load)
         values += tl.load(base + v, mask=i + v * 0 < width, other=0)
         scales += tl.load(base + VALUE_WORDS + w, mask=i + w * 0 < width, other=0)
     tl.store(out_ptr + row * parts + part, tl.sum(values, 0) + tl.sum(scales, 0))
@@ -135,7 +136,7 @@ def check_paged_read() -> None:
     per_block = words[table].sum(dim=-1)  # [B, width]
     pad = -table.shape[1] % READ_BLOCKS
     want = torch.nn.functional.pad(per_block, (0, pad)).view(table.shape[0], -1, READ_BLOCKS)
-    want = (want.sum(dim=-1) & 0xFFFFFFFF).to(torch.int64)
+    want = want.sum(dim=-1) & 0xFFFFFFFF
     got = paged_read(cache, table).long() & 0xFFFFFFFF
     if not torch.equal(got, want):
         raise AssertionError("the pure read's checksums differ from torch's")
