@@ -27,7 +27,7 @@ OPAQUE = {"paged_mqa_logits_deepgemm", "mqa_logits_deepgemm", "paged_mqa_schedul
 def test_triton_faces_register_as_triton_ops():
     assert all(not FACES[name].traceable for name in OPAQUE)
     for name in ("decode_token_lens", "gather_k", "paged_mqa_logits", "topk_indices_and_slots",
-                 "topk_scored", "dcp_merge_topk",
+                 "topk_indices_and_slots_consume", "topk_scored", "dcp_merge_topk",
                  "mqa_logits", "topk_indices", "indices_to_slots"):
         assert FACES[name].traceable == TRITON_OP, name
 
