@@ -12,7 +12,9 @@ outside the valid range may hold anything (junk, +inf, NaN) and are never select
 step's scratch): their contents are unspecified on return (declared as a mutation). On an
 NVIDIA GPU it drops each row's lines from L2 unwritten once the row is selected, so a step
 does not write the logits back to HBM under the next layer's reads (H200, BENCHMARKS.md,
-"thirty-eighth": 3.8-4.5 µs less a layer step at (64, 64K) and (128, 32K)).
+"thirty-eighth": a layer step at (64, 64K) and (128, 32K) 3.4-4.4 µs shorter under
+``bench_step.py``'s timer, 3.6-4.8 back to back; a 20-layer model 198.5 µs a layer against
+202.6).
 
 CUDA face: an exact selection on order-preserving int32 keys (from the fp32 value), in
 Triton, two launches (one when no row can be longer than ``select_cap``).
