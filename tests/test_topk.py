@@ -490,6 +490,11 @@ test_topk_slots_validation = validation_test([
     ((X, LENS, 4, TABLE, REQS, 64, 4, i32([0])), ValueError,
      "`starts` must have one entry per logits row"),
 ], op="topk_indices_and_slots")
+test_topk_consume_validation = validation_test([
+    ((X, LENS, 0, TABLE, REQS, 64, 4), ValueError, "topk_indices_and_slots_consume: `k`"),
+    ((torch.zeros(16).as_strided((2, 8), (4, 1)), LENS, 4, TABLE, REQS, 64, 4), ValueError,
+     "rows must not overlap"),
+], op="topk_indices_and_slots_consume")
 
 
 # --- GPU: realistic shapes (k = 2048) ------------------------------------------------------

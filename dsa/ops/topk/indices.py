@@ -140,8 +140,14 @@ def _topk_slots_out(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor
 def _topk_slots_consume_out(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
                             row_requests: Tensor, block_size: int, num_blocks: int,
                             starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    return _check_topk_slots("topk_indices_and_slots_consume", logits, lengths, k,
-                             block_table, row_requests, block_size, num_blocks, starts)
+    op = "topk_indices_and_slots_consume"
+    outputs = _check_topk_slots(op, logits, lengths, k, block_table, row_requests, block_size,
+                                num_blocks, starts)
+    rows, n_cols = logits.shape
+    if rows > 1 and logits.stride(0) < n_cols:  # a row's discard would reach the next row
+        raise ValueError(f"dsa.{op}: `logits` rows must not overlap (stride(0) >= shape[1]), "
+                         f"got shape {tuple(logits.shape)} and strides {logits.stride()}")
+    return outputs
 
 
 def order_keys(x: Tensor) -> Tensor:
@@ -189,9 +195,10 @@ def _topk_slots_cpu(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor
 def _topk_slots_consume_cpu(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
                             row_requests: Tensor, block_size: int, num_blocks: int,
                             starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    # the logits are left as they are: one of the contents the op allows
-    return _topk_slots_cpu(logits, lengths, k, block_table, row_requests, block_size,
-                           num_blocks, starts)
+    _topk_slots_consume_out(logits, lengths, k, block_table, row_requests, block_size,
+                            num_blocks, starts)
+    out = _topk_cpu(logits, lengths, k, starts)  # the logits left as they are: allowed
+    return out, _indices_to_slots_cpu(out, block_table, row_requests, block_size, num_blocks)
 
 
 @triton.jit
