@@ -508,10 +508,10 @@ GPU_SHAPES = [(1, 4096), (1, 65536), (8, 32768), (32, 32768), (64, 65536), (128,
 @pytest.mark.parametrize(("rows", "n"), [(64, 65536), (5, 1000), (3, 4097), (2, 9000)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_consume_drops_only_its_rows(rows, n, dtype):
-    """The consuming op selects as the plain one, and its discard of the rows' L2 lines
-    reaches no byte outside them: the logits sit in a buffer with guard words around every
-    row (rows not 128-byte aligned), all of it dirty in L2 over older contents in HBM; a
-    guard line dropped would read back the older contents."""
+    """The consuming op selects the top-k of the logits it was given, and its discard of the
+    rows' L2 lines reaches no byte outside them: the logits sit in a buffer with guard words
+    around every row (rows not 128-byte aligned), all of it dirty in L2 over older contents
+    in HBM; a guard line dropped would read back the older contents."""
     logits, lengths = gpu_case(rows, n, seed=rows + n)
     logits = logits.to(dtype)
     gen = torch.Generator(device="cuda").manual_seed(rows)
@@ -520,17 +520,16 @@ def test_gpu_consume_drops_only_its_rows(rows, n, dtype):
                           dtype=torch.int32)
     args = (lengths, 2048, table, torch.arange(rows, device="cuda", dtype=torch.int32), 64,
             rows * width)
-    expected = torch.ops.dsa.topk_indices_and_slots(logits, *args)
     stride = n + 7
     buffer = torch.full((rows * stride + 64,), 7.0, device="cuda", dtype=dtype)
     torch.empty(256 << 20, dtype=torch.uint8, device="cuda").fill_(1)  # 7.0 reaches HBM
     buffer.fill_(-5.0)  # dirty in L2 over the 7.0 in HBM
     view = buffer[3:3 + rows * stride].view(rows, stride)[:, :n]
     view.copy_(logits)
-    got = torch.ops.dsa.topk_indices_and_slots_consume(view, *args)
+    out, slots = torch.ops.dsa.topk_indices_and_slots_consume(view, *args)
     torch.cuda.synchronize()
-    for g, e in zip(got, expected, strict=True):
-        assert torch.equal(g.sort(dim=1).values, e.sort(dim=1).values)
+    check_topk(logits.float(), lengths, 2048, None, out)
+    assert torch.equal(slots, torch.ops.dsa.indices_to_slots(out, *args[2:]))
     guards = torch.ones_like(buffer, dtype=torch.bool)
     guards[3:3 + rows * stride].view(rows, stride)[:, :n] = False
     assert bool((buffer[guards] == -5.0).all())
