@@ -195,10 +195,9 @@ def _topk_slots_cpu(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor
 def _topk_slots_consume_cpu(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
                             row_requests: Tensor, block_size: int, num_blocks: int,
                             starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    _topk_slots_consume_out(logits, lengths, k, block_table, row_requests, block_size,
-                            num_blocks, starts)
-    out = _topk_cpu(logits, lengths, k, starts)  # the logits left as they are: allowed
-    return out, _indices_to_slots_cpu(out, block_table, row_requests, block_size, num_blocks)
+    args = (logits, lengths, k, block_table, row_requests, block_size, num_blocks, starts)
+    _topk_slots_consume_out(*args)  # this op's checks first (its name, overlapping rows)
+    return _topk_slots_cpu(*args)  # the logits left as they are: one of the allowed contents
 
 
 @triton.jit
