@@ -264,6 +264,39 @@ def overflow_rows(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, tor
     return values, i32([0, 0, 7]), i32([600, 600, 593])
 
 
+# (start, length) of rows of 300 columns; what a part's 32-column blocks are with 4 parts
+# (part_span's arithmetic: inner blocks lie wholly inside the part); with one part the row's
+PART_EDGE_ROWS = {
+    "inner_and_tail": (0, 300),  # parts 0-2 inner blocks only, part 3 a tail alone
+    "inner_then_tail": (0, 250),  # part 3 an inner block, then a tail
+    "head_inner_tail": (5, 290),  # part 0 a head, then inner blocks (one part: and a tail)
+    "one_block_head_and_tail": (40, 20),  # part 0 one block cut at both ends, 1-3 empty
+    "aligned_inner_only": (64, 64),  # parts 0-1 one inner block each, 2-3 empty
+    "past_the_row": (250, 100),  # a length past the row: the last block's end is the row's
+}
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
+@pytest.mark.interpret
+@pytest.mark.parametrize("margin", [4.0, 1e9], ids=["kept", "overflowing"])
+@pytest.mark.parametrize("parts", [1, 4])
+@pytest.mark.parametrize("rows", list(PART_EDGE_ROWS))
+def test_candidates_at_part_edges(rows, parts, margin):
+    """The candidates pass at every arrangement of a part's blocks (inner, head, tail, one
+    block cut at both ends, none), its candidates kept (margin 4) or past the region (margin
+    1e9: every key a candidate, the part stops storing and the row is streamed)."""
+    gen = torch.Generator().manual_seed(9)
+    start, length = PART_EDGE_ROWS[rows]
+    starts, lengths = i32([start, 0]), i32([length, 300])
+    lo = starts.long()
+    logits = make_logits(gen, torch.randn(2, 300, generator=gen), lo,
+                         (lo + lengths.long()).clamp(max=300))
+    out = launch_topk(logits, lengths, 8, starts, parts=parts, block=32, select_cap=16,
+                      sample_groups=16, margin=margin, finish_block=32, num_warps=1,
+                      select_warps=1)
+    check_both(logits, lengths, 8, starts, out)
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
 @pytest.mark.interpret
 @pytest.mark.parametrize("search", SEARCH_NAMES)
