@@ -265,7 +265,8 @@ def overflow_rows(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 # (start, length) of rows of 300 columns; what a part's 32-column blocks are with 4 parts
-# (part_span's arithmetic: inner blocks lie wholly inside the part); with one part the row's
+# (part_span's arithmetic: inner blocks lie wholly inside the part; with one part, the row's
+# blocks are its only part's)
 PART_EDGE_ROWS = {
     "inner_and_tail": (0, 300),  # parts 0-2 inner blocks only, part 3 a tail alone
     "inner_then_tail": (0, 250),  # part 3 an inner block, then a tail
@@ -283,8 +284,8 @@ PART_EDGE_ROWS = {
 @pytest.mark.parametrize("rows", list(PART_EDGE_ROWS))
 def test_candidates_at_part_edges(rows, parts, margin):
     """The candidates pass at every arrangement of a part's blocks (inner, head, tail, one
-    block cut at both ends, none), its candidates kept (margin 4) or past the region (margin
-    1e9: every key a candidate, the part stops storing and the row is streamed)."""
+    block cut at both ends, none), its candidates kept (margin 4) or more than its region
+    holds (margin 1e9: every key a candidate; the row is then streamed)."""
     gen = torch.Generator().manual_seed(9)
     start, length = PART_EDGE_ROWS[rows]
     starts, lengths = i32([start, 0]), i32([length, 300])
