@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the no-FMA prologue (README, "Triton kernels Inductor can see").
 OPAQUE = {"paged_mqa_logits_deepgemm", "mqa_logits_deepgemm", "paged_mqa_schedule",
           "decode_metadata", "quantize_and_cache_k", "pad_batch_out", "rope_hadamard_quantize_q",
-          "rope_hadamard_quantize_and_cache_k"}
+          "rope_hadamard_quantize_and_cache_k", "project_quantize_and_cache_k"}
 
 
 def test_triton_faces_register_as_triton_ops():
