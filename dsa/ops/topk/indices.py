@@ -626,7 +626,7 @@ def _topk_slots_cuda(logits: Tensor, lengths: Tensor, k: int, block_table: Tenso
     return out, slots
 
 
-@_topk_slots_consume_out.triton
+@_topk_slots_consume_out.cuda
 def _topk_slots_consume_cuda(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
                              row_requests: Tensor, block_size: int, num_blocks: int,
                              starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
