@@ -275,12 +275,13 @@ class Indexer(nn.Module):
         return IndexerOutput(indices=indices, slots=slots, global_indices=global_indices)
 
     def _select(self, logits: Tensor, lens: Tensor, meta: DecodeMetadata | PrefillMetadata,
-                tokens: slice) -> tuple[Tensor, Tensor]:
+                tokens: slice, consume: bool = False) -> tuple[Tensor, Tensor]:
         """Top-k indices and cache slots of logits rows that are the tokens ``tokens``, whose
-        lengths ``lens`` are 0 outside ``meta.valid_tokens`` (such a token selects nothing)."""
-        return ops.topk_indices_and_slots(logits, lens.view(-1, 1), self.cfg.topk,
-                                          meta.request_block_table, meta.token_requests[tokens],
-                                          self.cfg.block_size, self.kv_cache.shape[0])
+        lengths ``lens`` are 0 outside ``meta.valid_tokens`` (such a token selects nothing).
+        consume: the logits are dead after (their lines leave L2 unwritten)."""
+        select = ops.topk_indices_and_slots_consume if consume else ops.topk_indices_and_slots
+        return select(logits, lens.view(-1, 1), self.cfg.topk, meta.request_block_table,
+                      meta.token_requests[tokens], self.cfg.block_size, self.kv_cache.shape[0])
 
     def _check_inputs(self, hidden: Tensor, q_latent: Tensor, positions: Tensor,
                       meta: DecodeMetadata | PrefillMetadata) -> None:
@@ -332,7 +333,7 @@ class Indexer(nn.Module):
             logits = ops.paged_mqa_logits(q_rows, self.kv_cache, w_rows, meta.context_lens,
                                           meta.block_table, meta.max_context_len)
         if self.dcp_group is None and not meta.packed:  # logits rows are the tokens
-            return *self._select(logits, meta.select_lens, meta, slice(None)), None
+            return *self._select(logits, meta.select_lens, meta, slice(None), True), None
         if self.dcp_group is None:
             indices = ops.topk_indices(logits, meta.context_lens, cfg.topk)
         else:  # global positions

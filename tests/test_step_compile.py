@@ -8,9 +8,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
+import re
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 import dsa
 from dsa.graphs import pad_batch
@@ -60,3 +62,23 @@ def test_compiled_step_matches_eager_without_recompiles(name, backend):
                 assert torch.equal(g, w)
             else:  # fused projections may round differently: the same selected sets
                 assert torch.equal(g.sort(-1).values, w.sort(-1).values)
+
+
+def test_compiled_step_selects_from_its_logits_in_place():
+    """The decode step's top-k consumes (mutates) the step's fresh logits: Inductor hands it
+    the logits' own buffer, with no copy of 16 MB at (64, 64K) in between."""
+    torch._dynamo.reset()
+    cfg = dsa.IndexerConfig(max_num_reqs=CAPACITY, max_num_batched_tokens=16,
+                            max_model_len=512, topk=32)
+    cfg = dataclasses.replace(cfg, num_blocks=CAPACITY * table_width(cfg))
+    step = make_step(cfg, [dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK,
+                                       dtype=torch.float32)])
+    batch = pad_batch(random_decode_batch(random.Random(0), cfg, CAPACITY - 1), CAPACITY,
+                      CAPACITY, table_width(cfg))
+    x = (torch.randn(batch.num_tokens, HIDDEN), torch.randn(batch.num_tokens, Q_LORA_RANK))
+    _, (code, *_) = run_and_get_code(torch.compile(step, fullgraph=True, dynamic=False),
+                                     batch, *x)
+    logits = re.findall(r"assert_size_stride\((buf\d+), .*'torch\.ops\.dsa\.paged_mqa_logits\.",
+                        code)
+    consumed = re.findall(r"dsa\.topk_indices_and_slots_consume\.default\((buf\d+),", code)
+    assert len(logits) == 1 and consumed == logits, code

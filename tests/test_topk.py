@@ -187,10 +187,23 @@ def topk_indices_and_slots(face: str, case: tuple, bf16: bool, block_size: int) 
     check_slots(out, slots, *table)
 
 
+def topk_indices_and_slots_consume(face: str, case: tuple, block_size: int) -> None:
+    """The consuming op selects as the plain one (its logits' contents are not checked:
+    they are unspecified after it)."""
+    logits, lengths, k, starts = case
+    table = slot_table(k, logits.shape[0], logits.shape[1], block_size)
+    out, slots = run_op(face, "topk_indices_and_slots_consume", logits.clone(), lengths, k,
+                        *table, starts)
+    check_both(logits, lengths, k, starts, out)
+    check_slots(out, slots, *table)
+
+
 test_topk_indices_cpu, test_topk_indices_kernel = face_tests(topk_indices, {"case": topk_cases()})
 test_topk_indices_and_slots_cpu, test_topk_indices_and_slots_kernel = face_tests(
     topk_indices_and_slots,
     {"case": topk_cases(), "bf16": st.booleans(), "block_size": st.sampled_from([1, 16, 64])})
+test_topk_indices_and_slots_consume_cpu, test_topk_indices_and_slots_consume_kernel = face_tests(
+    topk_indices_and_slots_consume, {"case": topk_cases(), "block_size": st.sampled_from([1, 64])})
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test: the GPU tests cover launch variants")
@@ -468,6 +481,8 @@ def test_opcheck(args):
     table = slot_table(0, 4, 300, 16)
     torch.library.opcheck(torch.ops.dsa.topk_indices_and_slots,
                           (*args[:3], *table, *args[3:]))
+    torch.library.opcheck(torch.ops.dsa.topk_indices_and_slots_consume,
+                          (args[0].clone(), *args[1:3], *table, *args[3:]))
     torch.library.opcheck(torch.ops.dsa.topk_indices, (args[0].bfloat16(), *args[1:]))
 
 
@@ -509,6 +524,11 @@ test_topk_slots_validation = validation_test([
     ((X, LENS, 4, TABLE, REQS, 64, 4, i32([0])), ValueError,
      "`starts` must have one entry per logits row"),
 ], op="topk_indices_and_slots")
+test_topk_consume_validation = validation_test([
+    ((X, LENS, 0, TABLE, REQS, 64, 4), ValueError, "topk_indices_and_slots_consume: `k`"),
+    ((torch.zeros(16).as_strided((2, 8), (4, 1)), LENS, 4, TABLE, REQS, 64, 4), ValueError,
+     "rows must not overlap"),
+], op="topk_indices_and_slots_consume")
 
 
 # --- GPU: realistic shapes (k = 2048) ------------------------------------------------------
@@ -516,6 +536,37 @@ test_topk_slots_validation = validation_test([
 # (rows, N) = (B * next_n, L): the benchmark shapes
 GPU_SHAPES = [(1, 4096), (1, 65536), (8, 32768), (32, 32768), (64, 65536), (128, 32768),
               (256, 8192), (2048, 8192)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "n"), [(64, 65536), (5, 1000), (3, 4097), (2, 9000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_consume_drops_only_its_rows(rows, n, dtype):
+    """The consuming op selects the top-k of the logits it was given, and its discard of the
+    rows' L2 lines reaches no byte outside them: the logits sit in a buffer with guard words
+    around every row (rows not 128-byte aligned), all of it dirty in L2 over older contents
+    in HBM; a guard line dropped would read back the older contents."""
+    logits, lengths = gpu_case(rows, n, seed=rows + n)
+    logits = logits.to(dtype)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    width = -(-n // 64)
+    table = torch.randint(0, rows * width, (rows, width), device="cuda", generator=gen,
+                          dtype=torch.int32)
+    args = (lengths, 2048, table, torch.arange(rows, device="cuda", dtype=torch.int32), 64,
+            rows * width)
+    stride = n + 7
+    buffer = torch.full((rows * stride + 64,), 7.0, device="cuda", dtype=dtype)
+    torch.empty(256 << 20, dtype=torch.uint8, device="cuda").fill_(1)  # 7.0 reaches HBM
+    buffer.fill_(-5.0)  # dirty in L2 over the 7.0 in HBM
+    view = buffer[3:3 + rows * stride].view(rows, stride)[:, :n]
+    view.copy_(logits)
+    out, slots = torch.ops.dsa.topk_indices_and_slots_consume(view, *args)
+    torch.cuda.synchronize()
+    check_topk(logits.float(), lengths, 2048, None, out)
+    assert torch.equal(slots, torch.ops.dsa.indices_to_slots(out, *args[2:]))
+    guards = torch.ones_like(buffer, dtype=torch.bool)
+    guards[3:3 + rows * stride].view(rows, stride)[:, :n] = False
+    assert bool((buffer[guards] == -5.0).all())
 
 
 def gpu_case(rows, n, *, full=False, seed=0, kind="normal", next_n=1):

@@ -21,14 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # the no-FMA prologue (README, "Triton kernels Inductor can see").
 OPAQUE = {"paged_mqa_logits_deepgemm", "mqa_logits_deepgemm", "paged_mqa_schedule",
           "decode_metadata", "quantize_and_cache_k", "pad_batch_out", "rope_hadamard_quantize_q",
-          "rope_hadamard_quantize_and_cache_k", "project_quantize_and_cache_k"}
+          "rope_hadamard_quantize_and_cache_k", "project_quantize_and_cache_k",
+          "topk_indices_and_slots_consume"}
 
 
 def test_triton_faces_register_as_triton_ops():
     assert all(not FACES[name].traceable for name in OPAQUE)
     for name in ("decode_token_lens", "gather_k", "paged_mqa_logits", "topk_indices_and_slots",
-                 "topk_scored", "dcp_merge_topk",
-                 "mqa_logits", "topk_indices", "indices_to_slots"):
+                 "topk_scored", "dcp_merge_topk", "mqa_logits", "topk_indices",
+                 "indices_to_slots"):
         assert FACES[name].traceable == TRITON_OP, name
 
 
@@ -38,7 +39,8 @@ def test_ops_that_mutate_stay_opaque():
     mutating = {name for name in FACES
                 if getattr(torch.ops.dsa, name).default._schema.is_mutable}
     assert mutating == {"quantize_and_cache_k", "rope_hadamard_quantize_and_cache_k",
-                        "project_quantize_and_cache_k", "pad_batch_out"}
+                        "project_quantize_and_cache_k", "pad_batch_out",
+                        "topk_indices_and_slots_consume"}
     assert not any(FACES[name].traceable for name in mutating)
 
     @dsa_op("_mutating_probe", mutates_args=("out",))

@@ -118,6 +118,12 @@ def has_tma(x: torch.Tensor) -> bool:
                              and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
+def on_nvidia_gpu(x: torch.Tensor) -> bool:
+    """Whether ``x`` lives on an NVIDIA GPU (ROCm's devices are "cuda" too), which runs
+    kernels' inline PTX."""
+    return x.is_cuda and torch.version.hip is None
+
+
 def pdl_launch(pdl: bool) -> dict[str, bool]:
     """The launch option of a kernel launched with programmatic dependent launch or not."""
     return {"launch_pdl": True} if pdl else {}

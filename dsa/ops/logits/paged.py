@@ -35,6 +35,7 @@ from dsa.ops._launch import (
     chain_pdl,
     has_tma,
     launch,
+    on_nvidia_gpu,
     pdl_chain_wait,
     pdl_launch,
 )
@@ -137,12 +138,6 @@ def paged_logits_config(batch: int, next_n: int, num_heads: int,
     fields["split_rows"] &= next_n <= SPLIT_ROWS_MAX_NEXT_N
     return PagedLogitsConfig(tile=tile, tiles_per_program=max(1, min(most, tiles // 512)),
                              **fields)
-
-
-def _on_nvidia_gpu(t: Tensor) -> bool:
-    """Whether ``t`` lives on an NVIDIA GPU (ROCm's devices are "cuda" too), which runs the
-    kernel's inline PTX."""
-    return t.is_cuda and torch.version.hip is None
 
 
 def tma_unsupported_reason(kv_cache: Tensor, tile: int) -> str | None:
@@ -451,7 +446,7 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
         SCALE_STRIDE=scales.stride(0), NP=np_, HP=hp,
         BLOCK_D=max(32, triton.next_power_of_2(head_dim)), TILE=config.tile,
         SPLIT_ROWS=config.split_rows, SCALES_AHEAD=config.scales_ahead,
-        TMA=k_desc is not None, DIRECT_STORE=config.direct_store and _on_nvidia_gpu(q_fp8),
+        TMA=k_desc is not None, DIRECT_STORE=config.direct_store and on_nvidia_gpu(q_fp8),
         PRELOAD=preload, SPAN=triton.next_power_of_2(config.tiles_per_program) if preload else 1,
         EVICTION="evict_last" if config.keep_in_l2 else "",
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl,

@@ -1,5 +1,5 @@
-"""Top-k selection of the indexer logits (design §3): ``dsa::topk_indices`` and
-``dsa::topk_indices_and_slots``.
+"""Top-k selection of the indexer logits (design §3): ``dsa::topk_indices``,
+``dsa::topk_indices_and_slots`` and ``dsa::topk_indices_and_slots_consume``.
 
 Row ``r`` of ``logits`` (fp32 or bf16) is valid on columns ``[s, s + len)`` clipped to
 ``[0, N)``, where ``s = starts[r]`` (0 without ``starts``) and ``len = max(lengths[r], 0)``.
@@ -7,7 +7,14 @@ The output row holds the positions ``column - s`` of the ``min(k, valid)`` large
 logits, then -1. Order inside a row and the choice among equal values are free; columns
 outside the valid range may hold anything (junk, +inf, NaN) and are never selected.
 ``topk_indices_and_slots`` also returns the selection's K-cache slots, exactly
-``indices_to_slots(indices, block_table, row_requests, block_size, num_blocks)``.
+``indices_to_slots(indices, block_table, row_requests, block_size, num_blocks)``;
+``topk_indices_and_slots_consume`` returns the same for logits that are dead after it (a
+step's scratch): their contents are unspecified on return (declared as a mutation). On an
+NVIDIA GPU it drops each row's lines from L2 unwritten once the row is selected, so a step
+does not write the logits back to HBM under the next layer's reads (H200, BENCHMARKS.md,
+"thirty-eighth": a layer step at (64, 64K) and (128, 32K) 3.4-4.4 µs shorter under
+``bench_step.py``'s timer, 3.6-4.8 back to back; a 20-layer model 198.5 µs a layer against
+202.6).
 
 CUDA face: an exact selection on order-preserving int32 keys (from the fp32 value), in
 Triton, two launches (one when no row can be longer than ``select_cap``).
@@ -46,10 +53,18 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, check_int, check_tensor
-from dsa.ops._launch import CHAIN_ROWS, chain_pdl, launch, pdl_chain_wait, pdl_launch
+from dsa.ops._launch import (
+    CHAIN_ROWS,
+    chain_pdl,
+    launch,
+    on_nvidia_gpu,
+    pdl_chain_wait,
+    pdl_launch,
+)
 from dsa.ops._registry import dsa_op
 from dsa.ops.topk.select import (
     INT_MIN,
+    discard_lines,
     gather,
     in_span,
     kth_search,
@@ -104,15 +119,35 @@ def _topk_out(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = N
     return _check_topk("topk_indices", logits, lengths, k, starts)
 
 
-@dsa_op("topk_indices_and_slots")
-def _topk_slots_out(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
-                    row_requests: Tensor, block_size: int, num_blocks: int,
-                    starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    op = "topk_indices_and_slots"
+def _check_topk_slots(op: str, logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
+                      row_requests: Tensor, block_size: int, num_blocks: int,
+                      starts: Tensor | None) -> tuple[Tensor, Tensor]:
     out = _check_topk(op, logits, lengths, k, starts)
     check_slot_args(op, block_table, row_requests, logits.shape[0], logits, block_size,
                     num_blocks)
     return out, torch.empty_like(out)
+
+
+@dsa_op("topk_indices_and_slots")
+def _topk_slots_out(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
+                    row_requests: Tensor, block_size: int, num_blocks: int,
+                    starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return _check_topk_slots("topk_indices_and_slots", logits, lengths, k, block_table,
+                             row_requests, block_size, num_blocks, starts)
+
+
+@dsa_op("topk_indices_and_slots_consume", mutates_args=("logits",))
+def _topk_slots_consume_out(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
+                            row_requests: Tensor, block_size: int, num_blocks: int,
+                            starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    op = "topk_indices_and_slots_consume"
+    outputs = _check_topk_slots(op, logits, lengths, k, block_table, row_requests, block_size,
+                                num_blocks, starts)
+    rows, n_cols = logits.shape
+    if rows > 1 and logits.stride(0) < n_cols:  # a row's discard would reach the next row
+        raise ValueError(f"dsa.{op}: `logits` rows must not overlap (stride(0) >= shape[1]), "
+                         f"got shape {tuple(logits.shape)} and strides {logits.stride()}")
+    return outputs
 
 
 def order_keys(x: Tensor) -> Tensor:
@@ -154,6 +189,15 @@ def _topk_slots_cpu(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor
                     starts)
     out = _topk_cpu(logits, lengths, k, starts)
     return out, _indices_to_slots_cpu(out, block_table, row_requests, block_size, num_blocks)
+
+
+@_topk_slots_consume_out.cpu
+def _topk_slots_consume_cpu(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
+                            row_requests: Tensor, block_size: int, num_blocks: int,
+                            starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    args = (logits, lengths, k, block_table, row_requests, block_size, num_blocks, starts)
+    _topk_slots_consume_out(*args)  # this op's checks first (its name, overlapping rows)
+    return _topk_slots_cpu(*args)  # the logits left as they are: one of the allowed contents
 
 
 @triton.jit
@@ -226,7 +270,8 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
                    SLOTS: tl.constexpr, BS: tl.constexpr, RADIX: tl.constexpr,
                    PIVOTS: tl.constexpr, STREAM_RADIX: tl.constexpr,
                    STREAM_PIVOTS: tl.constexpr, LOWEST: tl.constexpr, SCORES: tl.constexpr,
-                   CANDIDATES: tl.constexpr, PDL: tl.constexpr):
+                   CANDIDATES: tl.constexpr, DISCARD: tl.constexpr, ELEM: tl.constexpr,
+                   PDL: tl.constexpr):
     """Program per row: ``valid <= k``: all; ``valid <= CAP``: the row read whole into
     registers; else the parts' candidates: in registers (at most CAP), streamed from the
     parts' regions (more than CAP, each part's stored whole), or, when they are not all
@@ -236,7 +281,9 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
     logits (fp32) are written too, -inf past the valid ones. With SLOTS, the row's indices
     are then read back and written as cache slots (``indices_to_slots`` of the row).
     STREAM_RADIX, STREAM_PIVOTS: the streamed searches' RADIX and PIVOTS. CANDIDATES: rows
-    may be longer than CAP (``n_cols > CAP``: the candidates pass ran)."""
+    may be longer than CAP (``n_cols > CAP``: the candidates pass ran). DISCARD: the row's
+    logits (ELEM bytes each) are dropped from L2 at the end, unwritten (the caller's logits
+    are dead: a step need not write them back to HBM)."""
     pdl_chain_wait(PDL)
     row = tl.program_id(0)
     row_ptr = logits_ptr + unaligned_offset(row, stride_row)
@@ -296,6 +343,10 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
             idx = tl.load(out_row + i, mask=i < k, other=-1)
             tl.store(slot_row + i, slot_of(idx, table_row, req_ok, width, num_blocks, BS),
                      mask=i < k)
+    if DISCARD:
+        tl.debug_barrier()  # every read of the row is done
+        start = row_ptr.to(tl.int64)
+        discard_lines(start, start + n_cols * ELEM, FINISH_BLOCK)
 
 
 # --- launch ------------------------------------------------------------------------------
@@ -472,7 +523,8 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
                 out: Tensor | None = None, slots: SlotArgs | None = None,
                 scores: Tensor | None = None, lowest: bool = False,
                 parts: int | None = None, select_cap: int | None = None,
-                select_warps: int | None = None, **tuning: Any) -> Tensor:
+                select_warps: int | None = None, discard: bool = False,
+                **tuning: Any) -> Tensor:
     """Runs the Triton top-k (arguments already validated) into ``out`` and returns it;
     with ``slots``, also writes the selection's cache slots into ``slots.out``; with
     ``scores`` (``[rows, k]`` fp32, fp32 logits only), the selected logits, -inf past the
@@ -484,6 +536,8 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
         two <= 2**15; None = :func:`choose_select_cap`): rows with ``valid <= select_cap``
         are read whole by the select kernel, longer ones pass the threshold first.
         select_warps: the select kernel's warps (None = :func:`choose_select_warps`).
+        discard: the logits are dead after the call: on an NVIDIA GPU each row's L2 lines
+        are dropped, unwritten, once the row is selected (its contents become undefined).
         tuning: fields of :class:`Tuning` replacing those of ``TUNING``.
     """
     if scores is not None and logits.dtype != torch.float32:
@@ -548,8 +602,8 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
         C=min(select_cap, block, 128 * select_warps), BLOCK=block, FINISH_BLOCK=finish_block,
         STREAM_RADIX=stream_radix, STREAM_PIVOTS=stream_pivots,
         PRELOAD=n_cols <= select_cap and starts is None and rows <= tune.preload_rows,
-        CANDIDATES=n_cols > select_cap,
-        num_warps=select_warps, **flags, **slot_flags,
+        CANDIDATES=n_cols > select_cap, DISCARD=discard and on_nvidia_gpu(logits),
+        ELEM=logits.element_size(), num_warps=select_warps, **flags, **slot_flags,
         **_regs(tune.select_regs, SELECT_REGS, rows, tune.scale_rows),
     )
     return out
@@ -568,5 +622,16 @@ def _topk_slots_cuda(logits: Tensor, lengths: Tensor, k: int, block_table: Tenso
     out, slots = _topk_slots_out(logits, lengths, k, block_table, row_requests, block_size,
                                  num_blocks, starts)
     launch_topk(logits, lengths, k, starts, out=out,
+                slots=SlotArgs(slots, block_table, row_requests, block_size, num_blocks))
+    return out, slots
+
+
+@_topk_slots_consume_out.cuda
+def _topk_slots_consume_cuda(logits: Tensor, lengths: Tensor, k: int, block_table: Tensor,
+                             row_requests: Tensor, block_size: int, num_blocks: int,
+                             starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    out, slots = _topk_slots_consume_out(logits, lengths, k, block_table, row_requests,
+                                         block_size, num_blocks, starts)
+    launch_topk(logits, lengths, k, starts, out=out, discard=True,
                 slots=SlotArgs(slots, block_table, row_requests, block_size, num_blocks))
     return out, slots
