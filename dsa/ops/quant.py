@@ -97,6 +97,15 @@ def fp8_scale_of(amax, UE8M0: tl.constexpr):
 
 
 @triton.jit
+def scaled_down(x, scale, UE8M0: tl.constexpr):
+    """fp32 ``x / scale[:, None]``, correctly rounded: by the exact reciprocal of a ue8m0
+    scale (a power of two), one multiplication an element; else an IEEE division each."""
+    if UE8M0:
+        return x * tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+    return tl.div_rn(x, scale[:, None])
+
+
+@triton.jit
 def fp8_e4m3_bits(x):
     """uint8 e4m3fn codes of finite fp32 ``x``: round to nearest even, saturate at ±448."""
     if native_conversions():
@@ -198,7 +207,7 @@ def store_q_rows(x, w, rows, num_rows, out_ptr, hw_ptr, w_scale, D: tl.constexpr
     x = nan_to_num(x)
     scale = fp8_scale_of(tl.max(tl.abs(x), axis=1), UE8M0)
     offs = rows.to(tl.int64)[:, None] * D + d[None, :]
-    tl.store(out_ptr + offs, fp8_e4m3_bits(tl.div_rn(x, scale[:, None])),
+    tl.store(out_ptr + offs, fp8_e4m3_bits(scaled_down(x, scale, UE8M0)),
              mask=row_ok[:, None] & (d < D)[None, :])
     tl.store(hw_ptr + rows, w * w_scale * scale, mask=row_ok)
 
