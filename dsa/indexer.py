@@ -164,10 +164,13 @@ class Indexer(nn.Module):
         """A layer sized by a DeepSeek V3.2 ``config.json`` dict and the scheduler's limits.
 
         Reads ``hidden_size``, ``q_lora_rank``, ``index_n_heads``, ``index_head_dim``,
-        ``index_topk``, ``qk_rope_head_dim``, ``rope_theta`` and ``rope_scaling`` (absent or
-        null: plain RoPE). ``cfg_overrides``: other ``IndexerConfig`` fields (block_size,
-        next_n, ...). ``fp8_weights``: see the class. Weights are uninitialised: see
-        ``load_checkpoint``.
+        ``index_topk``, ``qk_rope_head_dim``, ``rope_theta``, ``rope_scaling`` (absent or
+        null: plain RoPE) and ``quantization_config.scale_fmt``: ``"ue8m0"`` (DeepSeek's fp8
+        checkpoints) sets ``ue8m0_scales``, the indexer's q and k scales rounded up to powers
+        of two as DeepSeek's reference quantises them; absent or null, plain fp32 scales.
+        ``cfg_overrides``: other ``IndexerConfig`` fields (block_size, next_n, ...), and
+        ``ue8m0_scales`` over the config's. ``fp8_weights``: see the class. Weights are
+        uninitialised: see ``load_checkpoint``.
         """
         def read(key: str) -> Any:
             if config.get(key) is None:
@@ -175,6 +178,11 @@ class Indexer(nn.Module):
                                  "DeepSeek V3.2 config.json is expected)")
             return config[key]
 
+        scale_fmt = (config.get("quantization_config") or {}).get("scale_fmt")
+        if scale_fmt not in (None, "ue8m0"):
+            raise ValueError(f"Indexer.from_hf_config: quantization_config.scale_fmt must be "
+                             f"'ue8m0' or absent, got {scale_fmt!r}")
+        cfg_overrides.setdefault("ue8m0_scales", scale_fmt == "ue8m0")
         cfg = IndexerConfig(max_num_reqs=max_num_reqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len, num_heads=read("index_n_heads"),

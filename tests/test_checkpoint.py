@@ -105,9 +105,9 @@ def relative(x: torch.Tensor, want: torch.Tensor) -> float:
     return float((x.detach().double() - want).norm() / want.norm())
 
 
-def make_layer(dtype: torch.dtype, state=None, layer: int = 13,
-               fp8_weights: bool = False) -> dsa.Indexer:
-    indexer = dsa.Indexer.from_hf_config(HF_CONFIG, **LIMITS, num_blocks=8, dtype=dtype,
+def make_layer(dtype: torch.dtype, state=None, layer: int = 13, fp8_weights: bool = False,
+               config=HF_CONFIG) -> dsa.Indexer:
+    indexer = dsa.Indexer.from_hf_config(config, **LIMITS, num_blocks=8, dtype=dtype,
                                          fp8_weights=fp8_weights)
     indexer.load_checkpoint(make_checkpoint() if state is None else state,
                             prefix=prefix_of(layer))
@@ -233,18 +233,26 @@ def test_fp8_weights_layer_selects_as_the_dequantised_one(dtype):
     assert torch.equal(fp8.kv_cache, plain.kv_cache)
 
 
-def test_from_hf_config_layer_runs_prefill_then_decode():
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_from_hf_config_layer_runs_prefill_then_decode(scale_fmt):
+    """... with the q and k scales of the config's scale_fmt (DeepSeek's fp8 checkpoints:
+    ue8m0, powers of two)."""
     state = make_checkpoint()
-    layer = make_layer(torch.float32, state, layer=3)
+    config = {**HF_CONFIG, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                   "weight_block_size": [128, 128],
+                                                   "scale_fmt": scale_fmt}}
+    layer = make_layer(torch.float32, state, layer=3, config=config)
     cfg = layer.cfg
     assert (cfg.num_heads, cfg.head_dim, cfg.topk, layer.rope_dim) == (HEADS, DIM, TOPK, 64)
+    ue8m0 = scale_fmt == "ue8m0"
+    assert cfg.ue8m0_scales == ue8m0
     keys, logits, outputs = {}, [], []
     for requests, positions, hidden, q_latent, out in run_prefill_then_decode(layer):
         outputs.append(out.indices)
         q, k, w = reference_projection(state, 3, hidden, q_latent, torch.tensor(positions))
-        q_codes, head_weights = ref.quantize_q(q.float().numpy(), w.float().numpy(), False)
+        q_codes, head_weights = ref.quantize_q(q.float().numpy(), w.float().numpy(), ue8m0)
         for r, pos, row in zip(requests, positions, k.float().numpy()):
-            codes, scale = ref.quantize_row(row, False)
+            codes, scale = ref.quantize_row(row, ue8m0)
             keys[r, pos] = (ref.fp8_decode(codes), float(scale))
         for t, (r, pos) in enumerate(zip(requests, positions)):
             k_rows = np.stack([keys[r, s][0] for s in range(pos + 1)])
@@ -297,6 +305,20 @@ def test_from_hf_config_names_a_missing_key(key):
         dsa.Indexer.from_hf_config(config, **LIMITS, num_blocks=8)
     with pytest.raises(ValueError, match=f"the config has no '{key}'"):
         dsa.Indexer.from_hf_config({**HF_CONFIG, key: None}, **LIMITS, num_blocks=8)
+
+
+def test_from_hf_config_scale_fmt():
+    def layer(config, **overrides):
+        return dsa.Indexer.from_hf_config(config, **LIMITS, num_blocks=8, **overrides)
+
+    ue8m0 = {**HF_CONFIG, "quantization_config": {"quant_method": "fp8", "scale_fmt": "ue8m0"}}
+    assert layer(ue8m0).cfg.ue8m0_scales
+    assert not layer(ue8m0, ue8m0_scales=False).cfg.ue8m0_scales
+    assert not layer(HF_CONFIG).cfg.ue8m0_scales
+    assert not layer({**HF_CONFIG, "quantization_config": None}).cfg.ue8m0_scales
+    assert layer(HF_CONFIG, ue8m0_scales=True).cfg.ue8m0_scales
+    with pytest.raises(ValueError, match="scale_fmt must be 'ue8m0' or absent, got 'e5m2'"):
+        layer({**HF_CONFIG, "quantization_config": {"scale_fmt": "e5m2"}})
 
 
 def test_from_hf_config_rope_scaling():

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the no-FMA prologue (README, "Triton kernels Inductor can see").
 OPAQUE = {"paged_mqa_logits_deepgemm", "mqa_logits_deepgemm", "paged_mqa_schedule",
           "decode_metadata", "quantize_and_cache_k", "pad_batch_out", "rope_hadamard_quantize_q",
-          "rope_hadamard_quantize_and_cache_k"}
+          "rope_hadamard_quantize_and_cache_k", "project_quantize_and_cache_k"}
 
 
 def test_triton_faces_register_as_triton_ops():
@@ -30,6 +30,23 @@ def test_triton_faces_register_as_triton_ops():
                  "topk_scored", "dcp_merge_topk",
                  "mqa_logits", "topk_indices", "indices_to_slots"):
         assert FACES[name].traceable == TRITON_OP, name
+
+
+def test_ops_that_mutate_stay_opaque():
+    from dsa.ops._registry import dsa_op
+
+    mutating = {name for name in FACES
+                if getattr(torch.ops.dsa, name).default._schema.is_mutable}
+    assert mutating == {"quantize_and_cache_k", "rope_hadamard_quantize_and_cache_k",
+                        "project_quantize_and_cache_k", "pad_batch_out"}
+    assert not any(FACES[name].traceable for name in mutating)
+
+    @dsa_op("_mutating_probe", mutates_args=("out",))
+    def _probe_out(out: torch.Tensor) -> None:
+        pass
+
+    with pytest.raises(RuntimeError, match=r"dsa::_mutating_probe mutates \('out',\): attach"):
+        _probe_out.triton(lambda out: None)
 
 
 def test_cpu_graph_keeps_the_ops():

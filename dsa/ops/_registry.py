@@ -81,7 +81,12 @@ class OpDecl:
 
     def triton(self, fn: Callable) -> Callable:
         """Attaches a CUDA face made of torch ops and Triton kernels launched through
-        ``dsa.ops._launch.launch``, which torch may trace into (see the module doc)."""
+        ``dsa.ops._launch.launch``, which torch may trace into (see the module doc). Not for
+        an op that mutates: a compiled graph's writes through a ``triton_op`` went wrong
+        (README, "Triton kernels Inductor can see")."""
+        if self.mutates_args:
+            raise RuntimeError(f"dsa::{self.name} mutates {self.mutates_args}: attach its CUDA "
+                               f"face with .cuda (an opaque op), not .triton")
         self._traceable = True
         return self._attach("cuda", fn)
 

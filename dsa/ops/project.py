@@ -704,7 +704,7 @@ def _scale_args(scale: Tensor | None, weight: Tensor) -> tuple[Tensor, int, int]
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-@_project_quantize_out.triton
+@_project_quantize_out.cuda
 def _project_quantize_cuda(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
                            norm_weight: Tensor, norm_bias: Tensor, eps: float,
                            weights_proj: Tensor, kv_cache: Tensor, slot_mapping: Tensor,

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor
-from dsa.ops._launch import row_tile, tile_warps
+from dsa.ops._launch import launch, row_tile, tile_warps
 from dsa.ops._registry import dsa_op
 from dsa.ops.kcache import (
     check_k_write,
@@ -230,14 +230,13 @@ def q_prologue_triton(q: Tensor, weights: Tensor, cos_sin: Tensor, positions: Te
         return
     block_d = triton.next_power_of_2(head_dim)
     block_r = block_r or row_tile(num_rows, block_d, max_rows=Q_ROWS)
-    _q_prologue_kernel[(triton.cdiv(num_rows, block_r),)](
-        q, weights, weights.stride(0), weights.stride(1), cos_sin, positions,
-        cos_sin.shape[0] - 1, q_fp8.view(torch.uint8), head_weights, num_rows,
-        hadamard_scale(head_dim, q.dtype), weight_scale(num_heads, head_dim), H=num_heads,
-        D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, UE8M0=ue8m0,
-        num_warps=num_warps or tile_warps(block_r, block_d),
-        **rope_constexprs(head_dim, cos_sin, hadamard),
-    )
+    launch(_q_prologue_kernel, (triton.cdiv(num_rows, block_r),),
+           q, weights, weights.stride(0), weights.stride(1), cos_sin, positions,
+           cos_sin.shape[0] - 1, q_fp8.view(torch.uint8), head_weights, num_rows,
+           hadamard_scale(head_dim, q.dtype), weight_scale(num_heads, head_dim), H=num_heads,
+           D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, UE8M0=ue8m0,
+           num_warps=num_warps or tile_warps(block_r, block_d),
+           **rope_constexprs(head_dim, cos_sin, hadamard))
 
 
 @_rope_hadamard_quantize_q_out.cuda
