@@ -164,8 +164,11 @@ class Indexer(nn.Module):
         """A layer sized by a DeepSeek V3.2 ``config.json`` dict and the scheduler's limits.
 
         Reads ``hidden_size``, ``q_lora_rank``, ``index_n_heads``, ``index_head_dim``,
-        ``index_topk``, ``qk_rope_head_dim``, ``rope_theta``, ``rope_scaling`` (absent or
-        null: plain RoPE) and ``quantization_config.scale_fmt``: ``"ue8m0"`` (DeepSeek's fp8
+        ``index_topk``, ``qk_rope_head_dim``, ``rope_theta`` and ``rope_scaling`` (absent or
+        null: plain RoPE; or both from ``rope_parameters``, as transformers 5 writes them),
+        ``indexer_rope_interleave`` (true, GPT-J pairs as GLM-5's indexer rotates, raises
+        ``NotImplementedError``: NeoX halves only) and ``quantization_config.scale_fmt``:
+        ``"ue8m0"`` (DeepSeek's fp8
         checkpoints) sets ``ue8m0_scales``, the indexer's q and k scales rounded up to powers
         of two as DeepSeek's reference quantises them; absent or null, plain fp32 scales.
         ``cfg_overrides``: other ``IndexerConfig`` fields (block_size, next_n, ...), and
@@ -178,6 +181,20 @@ class Indexer(nn.Module):
                                  "DeepSeek V3.2 config.json is expected)")
             return config[key]
 
+        if config.get("indexer_rope_interleave"):
+            raise NotImplementedError("Indexer.from_hf_config: indexer_rope_interleave (RoPE on "
+                                      "interleaved pairs, GLM-5's indexer) is not supported; "
+                                      "dsa rotates NeoX halves (design §10)")
+        rope_parameters = dict(config.get("rope_parameters") or {})
+        theta = rope_parameters.pop("rope_theta", None)
+        theta = theta if config.get("rope_theta") is None else config["rope_theta"]
+        if theta is None:
+            raise ValueError("Indexer.from_hf_config: the config has no 'rope_theta' (nor "
+                             "rope_parameters.rope_theta; a DeepSeek V3.2 config.json is "
+                             "expected)")
+        rope_scaling = config.get("rope_scaling")
+        if rope_scaling is None and rope_parameters:
+            rope_scaling = rope_parameters
         scale_fmt = (config.get("quantization_config") or {}).get("scale_fmt")
         if scale_fmt not in (None, "ue8m0"):
             raise ValueError(f"Indexer.from_hf_config: quantization_config.scale_fmt must be "
@@ -190,8 +207,7 @@ class Indexer(nn.Module):
                             num_blocks=num_blocks, **cfg_overrides)
         return cls(cfg, hidden_size=read("hidden_size"), q_lora_rank=read("q_lora_rank"),
                    rope_dim=read("qk_rope_head_dim"),
-                   rope_theta=read("rope_theta"),
-                   rope_scaling=rope_scaling_from_hf(config.get("rope_scaling")),
+                   rope_theta=theta, rope_scaling=rope_scaling_from_hf(rope_scaling),
                    device=device, dtype=dtype, fp8_weights=fp8_weights)
 
     def load_checkpoint(self, state_dict: Mapping[str, Tensor], prefix: str = "") -> None:

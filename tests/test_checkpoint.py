@@ -321,6 +321,30 @@ def test_from_hf_config_scale_fmt():
         layer({**HF_CONFIG, "quantization_config": {"scale_fmt": "e5m2"}})
 
 
+def test_from_hf_config_rope_parameters():
+    """transformers 5 writes rope_theta and the scaling into one rope_parameters dict."""
+    flat = dsa.Indexer.from_hf_config(HF_CONFIG, **LIMITS, num_blocks=8)
+    nested = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_theta", "rope_scaling")}
+    nested["rope_parameters"] = {"rope_theta": 10000, **V32_ROPE_SCALING}
+    assert torch.equal(dsa.Indexer.from_hf_config(nested, **LIMITS, num_blocks=8).rope_cos_sin,
+                       flat.rope_cos_sin)
+    plain = {**nested, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
+    np.testing.assert_allclose(
+        dsa.Indexer.from_hf_config(plain, **LIMITS, num_blocks=8).rope_cos_sin.numpy(),
+        spec_table(8192, 64, 10000.0), atol=1e-6)
+    with pytest.raises(ValueError, match="the config has no 'rope_theta' \\(nor rope_param"):
+        dsa.Indexer.from_hf_config({**nested, "rope_parameters": {"rope_type": "default"}},
+                                   **LIMITS, num_blocks=8)
+
+
+def test_from_hf_config_rejects_interleaved_rope():
+    with pytest.raises(NotImplementedError, match=r"indexer_rope_interleave .* not supported"):
+        dsa.Indexer.from_hf_config({**HF_CONFIG, "indexer_rope_interleave": True}, **LIMITS,
+                                   num_blocks=8)
+    dsa.Indexer.from_hf_config({**HF_CONFIG, "indexer_rope_interleave": False}, **LIMITS,
+                               num_blocks=8)
+
+
 def test_from_hf_config_rope_scaling():
     plain = dsa.Indexer.from_hf_config({**HF_CONFIG, "rope_scaling": None}, **LIMITS,
                                        num_blocks=8, block_size=32, next_n=2)
