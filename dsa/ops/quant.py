@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton import knobs
-from triton.runtime.jit import constexpr_function
 
 from dsa.ops._checks import check_size, check_tensor
 from dsa.ops._launch import launch
@@ -68,13 +67,13 @@ def quantize_rows(x: Tensor, ue8m0: bool) -> tuple[Tensor, Tensor]:
 # --- Triton helpers (shared with the K-cache write) ----------------------------------------
 
 
-@constexpr_function
-def native_conversions() -> bool:
-    """Inside a kernel: whether it compiles for an NVIDIA GPU of compute capability 9 or
-    more, whose instructions convert fp32 to bf16 and to fp8 e4m3 (saturating) rounding to
-    nearest even in one step (Triton reaches fp8 through fp16 below 9: two roundings).
-    False where the interpreter runs it."""
-    return not knobs.runtime.interpret and tl.target_info.cuda_capability_geq(9)
+# Kernels compiled for an NVIDIA GPU of compute capability 9 or more (``not _INTERPRETED and
+# tl.target_info.cuda_capability_geq(9)``) round fp32 to bf16 and to fp8 e4m3 (saturating) to
+# nearest even in one conversion instruction; below 9 Triton reaches fp8 through fp16 (two
+# roundings), and the interpreter's casts truncate (TRITON_INTERPRET=1 at import): there the
+# helpers round on the bits. A constexpr global, not a function, so that Inductor's copy of a
+# kernel's source (a traced triton_op) carries it.
+_INTERPRETED = tl.constexpr(knobs.runtime.interpret)
 
 
 @triton.jit
@@ -108,7 +107,7 @@ def scaled_down(x, scale, UE8M0: tl.constexpr):
 @triton.jit
 def fp8_e4m3_bits(x):
     """uint8 e4m3fn codes of finite fp32 ``x``: round to nearest even, saturate at ±448."""
-    if native_conversions():
+    if not _INTERPRETED and tl.target_info.cuda_capability_geq(9):
         return x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     a = tl.minimum(tl.abs(x), 448.0)
     # Normal range (a >= 2**-6): round the fp32 mantissa to 3 bits (ties to even; a carry
@@ -130,7 +129,7 @@ def fp8_e4m3_bits(x):
 @triton.jit
 def round_to(x, dtype: tl.constexpr):
     """fp32 ``x`` rounded to ``dtype`` (nearest even) and back to fp32."""
-    if dtype == tl.bfloat16 and native_conversions():
+    if dtype == tl.bfloat16 and not _INTERPRETED and tl.target_info.cuda_capability_geq(9):
         x = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
     elif dtype == tl.bfloat16:
         bits = x.to(tl.int32, bitcast=True)
