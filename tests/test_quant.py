@@ -13,7 +13,7 @@ from faces import FACE_NAMES, HAS_CUDA, KERNEL_MARK, run_op
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsa.ops.quant import fp8_e4m3_bits, quantize_rows
+from dsa.ops.quant import fp8_e4m3_bits, quantize_rows, round_to
 
 
 def encoding_probes() -> torch.Tensor:
@@ -35,12 +35,48 @@ def _encode_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, fp8_e4m3_bits(tl.load(x_ptr + i, mask=i < n)), mask=i < n)
 
 
+@KERNEL_MARK
 def test_triton_fp8_encoding_matches_reference():
+    """The GPU's conversion instruction and the interpreter's integer arithmetic alike."""
     x = encoding_probes()
     device = "cuda" if HAS_CUDA else "cpu"
     out = torch.empty(x.numel(), dtype=torch.uint8, device=device)
     _encode_kernel[(triton.cdiv(x.numel(), 4096),)](x.to(device), out, x.numel(), BLOCK=4096)
     np.testing.assert_array_equal(out.cpu().numpy(), ref.fp8_encode(x.numpy()))
+
+
+def bf16_rounding_probes() -> torch.Tensor:
+    """fp32 values at, next to and halfway between bf16 values (both parities of the kept
+    last bit), across the normal and subnormal ranges and at the top of the range, random
+    values, signed zeros, infinities and NaN."""
+    gen = torch.Generator().manual_seed(2)
+    kept = torch.randint(0, 0x7F80, (3000,), generator=gen, dtype=torch.int32) << 16
+    kept = torch.cat([kept, torch.tensor([0x7F7F << 16, 0x7F7E << 16, 1 << 16, 2 << 16])])
+    bits = torch.cat([kept + offset for offset in (0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF)])
+    special = torch.tensor([0.0, float("inf"), float("nan"), 3.4028234663852886e38])
+    probes = torch.cat([bits.view(torch.float32), torch.randn(2000, generator=gen), special])
+    return torch.cat([probes, -probes])
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n)
+    tl.store(out_ptr + i, round_to(x, tl.bfloat16), mask=i < n)
+
+
+@KERNEL_MARK
+def test_triton_bf16_rounding_matches_torch():
+    """round_to(x, bf16): torch's round to nearest even, overflow to ±inf, NaN stays NaN."""
+    x = bf16_rounding_probes()
+    device = "cuda" if HAS_CUDA else "cpu"
+    out = torch.empty_like(x, device=device)
+    _round_kernel[(triton.cdiv(x.numel(), 4096),)](x.to(device), out, x.numel(), BLOCK=4096)
+    want = x.bfloat16().float()
+    out = out.cpu()
+    nan = want.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan].view(torch.int32), want[~nan].view(torch.int32))
 
 
 def test_torch_fp8_encoding_matches_reference():

@@ -30,6 +30,7 @@ from dsa.ops.quant import (
     fp8_scale_of,
     nan_to_num,
     quantize_rows,
+    scaled_down,
 )
 
 SCALE_BYTES = 4
@@ -144,7 +145,7 @@ def store_k_rows(x, slot, ok, value_ptr, scale_ptr, VALUE_STRIDE: tl.constexpr,
     blk = slot // BS
     off = slot % BS
     dst = blk * VALUE_STRIDE + off * D
-    tl.store(value_ptr + dst[:, None] + d[None, :], fp8_e4m3_bits(tl.div_rn(x, scale[:, None])),
+    tl.store(value_ptr + dst[:, None] + d[None, :], fp8_e4m3_bits(scaled_down(x, scale, UE8M0)),
              mask=ok[:, None] & (d < D)[None, :])
     tl.store(scale_ptr + blk * SCALE_STRIDE + off, scale, mask=ok)
 

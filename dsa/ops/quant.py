@@ -11,8 +11,11 @@ Non-finite inputs therefore behave the same on every face: NaN quantises to 0, a
 infinity dominates its row like the largest finite value would (it becomes ±448, the
 row's finite values round towards 0); scales stay finite.
 
-The Triton helpers encode fp8 bytes with integer arithmetic (correctly rounded division,
-round-to-nearest-even by hand) so GPU, interpreter and torch agree byte for byte.
+The Triton helpers divide with correct rounding and round to nearest even, so GPU,
+interpreter and torch agree byte for byte: compiled for an NVIDIA GPU of compute capability
+9 or more, by the conversion instructions (fp32 to bf16, and to fp8 e4m3 saturating, in one
+rounding each); interpreted, by integer arithmetic on the bits (the interpreter's casts
+truncate).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton import knobs
 
 from dsa.ops._checks import check_size, check_tensor
 from dsa.ops._launch import launch
@@ -63,6 +67,15 @@ def quantize_rows(x: Tensor, ue8m0: bool) -> tuple[Tensor, Tensor]:
 # --- Triton helpers (shared with the K-cache write) ----------------------------------------
 
 
+# Kernels compiled for an NVIDIA GPU of compute capability 9 or more (``not _INTERPRETED and
+# tl.target_info.cuda_capability_geq(9)``) round fp32 to bf16 and to fp8 e4m3 (saturating) to
+# nearest even in one conversion instruction; below 9 Triton reaches fp8 through fp16 (two
+# roundings), and the interpreter's casts truncate (TRITON_INTERPRET=1 at import): there the
+# helpers round on the bits. A constexpr global, not a function, so that Inductor's copy of a
+# kernel's source (a traced triton_op) carries it.
+_INTERPRETED = tl.constexpr(knobs.runtime.interpret)
+
+
 @triton.jit
 def nan_to_num(x):
     """fp32 ``x`` with NaN -> 0 and ±inf -> ±fp32 max (``torch.nan_to_num``'s defaults)."""
@@ -83,8 +96,19 @@ def fp8_scale_of(amax, UE8M0: tl.constexpr):
 
 
 @triton.jit
+def scaled_down(x, scale, UE8M0: tl.constexpr):
+    """fp32 ``x / scale[:, None]``, correctly rounded: by the exact reciprocal of a ue8m0
+    scale (a power of two), one multiplication an element; else an IEEE division each."""
+    if UE8M0:
+        return x * tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+    return tl.div_rn(x, scale[:, None])
+
+
+@triton.jit
 def fp8_e4m3_bits(x):
-    """uint8 e4m3fn codes of fp32 ``x``: round to nearest even, saturate at ±448."""
+    """uint8 e4m3fn codes of finite fp32 ``x``: round to nearest even, saturate at ±448."""
+    if not _INTERPRETED and tl.target_info.cuda_capability_geq(9):
+        return x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     a = tl.minimum(tl.abs(x), 448.0)
     # Normal range (a >= 2**-6): round the fp32 mantissa to 3 bits (ties to even; a carry
     # moves into the exponent), then rebias the exponent from 127 to 7.
@@ -104,9 +128,10 @@ def fp8_e4m3_bits(x):
 
 @triton.jit
 def round_to(x, dtype: tl.constexpr):
-    """fp32 ``x`` rounded to ``dtype`` (nearest even) and back to fp32. bf16 rounds on the
-    bits: the interpreter's bf16 cast truncates."""
-    if dtype == tl.bfloat16:
+    """fp32 ``x`` rounded to ``dtype`` (nearest even) and back to fp32."""
+    if dtype == tl.bfloat16 and not _INTERPRETED and tl.target_info.cuda_capability_geq(9):
+        x = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+    elif dtype == tl.bfloat16:
         bits = x.to(tl.int32, bitcast=True)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
         x = tl.where(x == x, rounded, x)
@@ -181,7 +206,7 @@ def store_q_rows(x, w, rows, num_rows, out_ptr, hw_ptr, w_scale, D: tl.constexpr
     x = nan_to_num(x)
     scale = fp8_scale_of(tl.max(tl.abs(x), axis=1), UE8M0)
     offs = rows.to(tl.int64)[:, None] * D + d[None, :]
-    tl.store(out_ptr + offs, fp8_e4m3_bits(tl.div_rn(x, scale[:, None])),
+    tl.store(out_ptr + offs, fp8_e4m3_bits(scaled_down(x, scale, UE8M0)),
              mask=row_ok[:, None] & (d < D)[None, :])
     tl.store(hw_ptr + rows, w * w_scale * scale, mask=row_ok)
 
