@@ -170,13 +170,12 @@ class Indexer(nn.Module):
         ``index_topk``, ``qk_rope_head_dim``, ``rope_theta`` and ``rope_scaling`` (absent or
         null: plain RoPE; or both from ``rope_parameters``, as transformers 5 writes them),
         ``indexer_rope_interleave`` (true: RoPE on interleaved pairs, GLM-5's indexer;
-        absent: NeoX halves, DeepSeek's) and ``quantization_config.scale_fmt``:
-        ``"ue8m0"`` (DeepSeek's fp8
-        checkpoints) sets ``ue8m0_scales``, the indexer's q and k scales rounded up to powers
-        of two as DeepSeek's reference quantises them; absent or null, plain fp32 scales.
-        ``cfg_overrides``: other ``IndexerConfig`` fields (block_size, next_n, ...), and
-        ``ue8m0_scales`` over the config's. ``fp8_weights``: see the class. Weights are
-        uninitialised: see ``load_checkpoint``.
+        absent: NeoX halves, DeepSeek's) and ``quantization_config.scale_fmt`` (``"ue8m0"``,
+        DeepSeek's fp8 checkpoints, sets ``ue8m0_scales``: the indexer's q and k scales
+        rounded up to powers of two, as DeepSeek's reference quantises them; absent or null,
+        plain fp32 scales). ``cfg_overrides``: other ``IndexerConfig`` fields (block_size,
+        next_n, ...), and ``ue8m0_scales`` over the config's. ``fp8_weights``: see the class.
+        Weights are uninitialised: see ``load_checkpoint``.
         """
         def read(key: str) -> Any:
             if config.get(key) is None:
