@@ -345,6 +345,18 @@ def test_from_hf_config_rope_parameters():
                                    **LIMITS, num_blocks=8)
 
 
+def test_from_hf_config_glm5_style():
+    """A GLM-5-style config (glm_moe_dsa): plain RoPE of theta 8e6 in rope_parameters, on
+    interleaved pairs, ue8m0 scales."""
+    config = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_theta", "rope_scaling")}
+    config.update(architectures=["GlmMoeDsaForCausalLM"], indexer_rope_interleave=True,
+                  rope_parameters={"rope_theta": 8000000, "rope_type": "default"},
+                  quantization_config={"quant_method": "fp8", "scale_fmt": "ue8m0"})
+    layer = dsa.Indexer.from_hf_config(config, **LIMITS, num_blocks=8)
+    assert layer.rope_interleaved and layer.cfg.ue8m0_scales
+    np.testing.assert_allclose(layer.rope_cos_sin.numpy(), spec_table(8192, 64, 8e6), atol=1e-6)
+
+
 def test_from_hf_config_rope_scaling():
     plain = dsa.Indexer.from_hf_config({**HF_CONFIG, "rope_scaling": None}, **LIMITS,
                                        num_blocks=8, block_size=32, next_n=2)
