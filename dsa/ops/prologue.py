@@ -10,10 +10,10 @@ rotation and fp8 quantisation after the projections, one launch for q, one for k
 ``cos_sin`` is the fp32 RoPE table ``[max_len, rope_dim]`` (cos, then sin; design §10),
 indexed by ``positions`` clamped into it; RoPE rotates NeoX halves (dim ``i`` with ``i +
 rope_dim / 2``, DeepSeek), or with ``interleaved`` pairs (``2i`` with ``2i + 1``, GLM-5), at
-frequency ``i``. Each row is rounded to the input's dtype after
-RoPE and after the Hadamard rotation, as the unfused path does; the rotation is a fast
-Walsh-Hadamard transform (butterflies ``(a + b, a - b)`` of stride 1, 2, ..., D/2, in fp32)
-times the dtype's rounding of ``D**-0.5``, in that order on every face.
+frequency ``i``. Each row is rounded to the input's dtype after RoPE and after the Hadamard
+rotation, as the unfused path does; the rotation is a fast Walsh-Hadamard transform
+(butterflies ``(a + b, a - b)`` of stride 1, 2, ..., D/2, in fp32) times the dtype's rounding
+of ``D**-0.5``, in that order on every face.
 """
 
 from __future__ import annotations
