@@ -3,8 +3,9 @@
 
 ``project_quantize_and_cache_k(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps,
 weights_proj, kv_cache, slot_mapping, cos_sin, positions, hadamard, ue8m0, wq_b_scale,
-wk_scale, interleaved)`` → ``(q_fp8 [T, H, D], head_weights [T, H])``, and the step's K written to
-``kv_cache``: the layer's three projections, then its two prologue ops (τ = hidden's dtype)::
+wk_scale, interleaved)`` → ``(q_fp8 [T, H, D], head_weights [T, H])``, and the step's K
+written to ``kv_cache``: the layer's three projections, then its two prologue ops (τ =
+hidden's dtype)::
 
     q = round_τ(q_latent @ wq_b.T) viewed as [T, H, D]
     k = round_τ(LayerNorm(round_τ(hidden @ wk.T)))              (LayerNorm in fp32)
