@@ -66,6 +66,20 @@ def test_cuda_graph_holds_the_kernels(triton_op):
     assert calls == ({"dsa": 0, "triton": 3} if triton_op == "1" else {"dsa": 3, "triton": 0})
 
 
+def test_inductor_copies_of_the_kernels_are_self_contained():
+    """Inductor compiles a traced triton_op's kernels from copies of their sources
+    (tests/kernel_sources.py): every global a copy loads is in it. A subprocess: real Triton
+    kernels, not the interpreter's."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-m", "tests.kernel_sources"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["kernels"] >= 20
+    assert result["undefined"] == {}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs on CPU only")
 def test_launch_runs_the_raw_kernel_outside_tracing():
     """Tests call the Triton face directly on CPU tensors (interpreter): no wrap there."""
