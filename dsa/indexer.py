@@ -65,8 +65,9 @@ class Indexer(nn.Module):
     """The lightning indexer: scores every cached key for each query token, keeps the top-k.
 
     ``wq_b`` on the q latent and ``wk`` + LayerNorm on the hidden state give q ``[T, H, D]``
-    and k ``[T, D]``; NeoX RoPE rotates their first ``rope_dim`` dims, an optional Hadamard
-    rotation mixes all D, then q is quantised per (token, head) and k is written to the fp8
+    and k ``[T, D]``; RoPE rotates their first ``rope_dim`` dims (NeoX halves, DeepSeek's; or
+    with ``rope_interleaved`` pairs ``2i, 2i + 1``, GLM-5's), an optional Hadamard rotation
+    mixes all D, then q is quantised per (token, head) and k is written to the fp8
     paged cache (a buffer of this module): one fused op each for q and k (design §2). As in
     DeepSeek's reference, ``k_norm`` and ``weights_proj`` (which gives the head weights) keep
     fp32 parameters and compute in fp32.
@@ -101,6 +102,7 @@ class Indexer(nn.Module):
         rope_dim: int = 64,
         rope_theta: float = 10000.0,
         rope_scaling: YarnScaling | None = None,
+        rope_interleaved: bool = False,
         hadamard: bool = True,
         dcp_group: torch.distributed.ProcessGroup | None = None,
         device: torch.device | str | None = None,
@@ -131,6 +133,7 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(hidden_size, heads, bias=False, device=device,
                                       dtype=torch.float32)
         self.rope_dim = rope_dim
+        self.rope_interleaved = rope_interleaved
         self.register_buffer(
             "rope_cos_sin",
             rope_table(cfg.max_model_len, rope_dim, rope_theta, rope_scaling, device),
@@ -166,13 +169,13 @@ class Indexer(nn.Module):
         Reads ``hidden_size``, ``q_lora_rank``, ``index_n_heads``, ``index_head_dim``,
         ``index_topk``, ``qk_rope_head_dim``, ``rope_theta`` and ``rope_scaling`` (absent or
         null: plain RoPE; or both from ``rope_parameters``, as transformers 5 writes them),
-        ``indexer_rope_interleave`` (true, GPT-J pairs as GLM-5's indexer rotates, raises
-        ``NotImplementedError``: NeoX halves only) and ``quantization_config.scale_fmt``
-        (``"ue8m0"``, DeepSeek's fp8 checkpoints, sets ``ue8m0_scales``: the indexer's q and k
-        scales rounded up to powers of two, as DeepSeek's reference quantises them; absent or
-        null, plain fp32 scales). ``cfg_overrides``: other ``IndexerConfig`` fields
-        (block_size, next_n, ...), and ``ue8m0_scales`` over the config's. ``fp8_weights``:
-        see the class. Weights are uninitialised: see ``load_checkpoint``.
+        ``indexer_rope_interleave`` (true: RoPE on interleaved pairs, GLM-5's indexer;
+        absent: NeoX halves, DeepSeek's) and ``quantization_config.scale_fmt`` (``"ue8m0"``,
+        DeepSeek's fp8 checkpoints, sets ``ue8m0_scales``: the indexer's q and k scales
+        rounded up to powers of two, as DeepSeek's reference quantises them; absent or null,
+        plain fp32 scales). ``cfg_overrides``: other ``IndexerConfig`` fields (block_size,
+        next_n, ...), and ``ue8m0_scales`` over the config's. ``fp8_weights``: see the class.
+        Weights are uninitialised: see ``load_checkpoint``.
         """
         def read(key: str) -> Any:
             if config.get(key) is None:
@@ -180,10 +183,6 @@ class Indexer(nn.Module):
                                  "DeepSeek V3.2 config.json is expected)")
             return config[key]
 
-        if config.get("indexer_rope_interleave"):
-            raise NotImplementedError("Indexer.from_hf_config: indexer_rope_interleave (RoPE on "
-                                      "interleaved pairs, GLM-5's indexer) is not supported; "
-                                      "dsa rotates NeoX halves (design §10)")
         rope_parameters = dict(config.get("rope_parameters") or {})
         theta = rope_parameters.pop("rope_theta", None)
         theta = theta if config.get("rope_theta") is None else config["rope_theta"]
@@ -207,6 +206,7 @@ class Indexer(nn.Module):
         return cls(cfg, hidden_size=read("hidden_size"), q_lora_rank=read("q_lora_rank"),
                    rope_dim=read("qk_rope_head_dim"),
                    rope_theta=theta, rope_scaling=rope_scaling_from_hf(rope_scaling),
+                   rope_interleaved=bool(config.get("indexer_rope_interleave", False)),
                    device=device, dtype=dtype, fp8_weights=fp8_weights)
 
     def load_checkpoint(self, state_dict: Mapping[str, Tensor], prefix: str = "") -> None:
@@ -261,12 +261,13 @@ class Indexer(nn.Module):
             q_fp8, head_weights = ops.project_quantize_and_cache_k(
                 hidden, q_latent, self.wq_b.weight, self.wk.weight, self.k_norm.weight,
                 self.k_norm.bias, self.k_norm.eps, self.weights_proj.weight, self.kv_cache,
-                meta.slot_mapping, *rotation, *self._weight_scales())
+                meta.slot_mapping, *rotation, *self._weight_scales(), self.rope_interleaved)
         else:  # the GEMMs as torch ops: torch.compile fuses the norm and casts around them
             q, k, weights = self._project(hidden, q_latent)
             ops.rope_hadamard_quantize_and_cache_k(k, self.kv_cache, meta.slot_mapping,
-                                                   *rotation)
-            q_fp8, head_weights = ops.rope_hadamard_quantize_q(q, weights, *rotation)
+                                                   *rotation, self.rope_interleaved)
+            q_fp8, head_weights = ops.rope_hadamard_quantize_q(q, weights, *rotation,
+                                                               self.rope_interleaved)
         global_indices = None
         if isinstance(meta, DecodeMetadata):
             indices, slots, global_indices = self._decode_topk(q_fp8, head_weights, meta)

@@ -1,4 +1,5 @@
-"""The indexer's RoPE (design §10): cos/sin tables, plain or YaRN-scaled, and NeoX rotation."""
+"""The indexer's RoPE (design §10): cos/sin tables, plain or YaRN-scaled, and the rotation of
+NeoX halves (DeepSeek) or interleaved pairs (GLM-5)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,17 @@ def neox_rope(x: Tensor, cos_sin: Tensor, rope_dim: int) -> Tensor:
     x1, x2 = x[..., :half].float(), x[..., half:rope_dim].float()
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
     return torch.cat([rotated, x[..., rope_dim:]], dim=-1)
+
+
+def interleaved_rope(x: Tensor, cos_sin: Tensor, rope_dim: int) -> Tensor:
+    """GPT-J-style rotation of the first ``rope_dim`` dims of ``x``: dims ``2i`` and ``2i + 1``
+    at frequency ``i`` (GLM-5's indexer)."""
+    half = rope_dim // 2
+    cos, sin = cos_sin[..., :half], cos_sin[..., half:]
+    pairs = x[..., :rope_dim].float().unflatten(-1, (half, 2))
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    return torch.cat([rotated.to(x.dtype), x[..., rope_dim:]], dim=-1)
 
 
 def _mscale(factor: float, mscale: float) -> float:

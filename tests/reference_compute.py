@@ -127,9 +127,10 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     return np.where(np.isnan(x), x, bits.view(np.float32))
 
 
-def rope_hadamard_row(x: np.ndarray, cos_sin: np.ndarray, hadamard: bool, dtype: str
-                      ) -> np.ndarray:
-    """One row (values of ``dtype``) after NeoX RoPE with the fp32 ``cos_sin`` row and the
+def rope_hadamard_row(x: np.ndarray, cos_sin: np.ndarray, hadamard: bool, dtype: str,
+                      interleaved: bool = False) -> np.ndarray:
+    """One row (values of ``dtype``) after RoPE with the fp32 ``cos_sin`` row (frequency i
+    rotates dims i and i + rope_dim / 2, NeoX; or 2i and 2i + 1, ``interleaved``) and the
     Hadamard rotation, one fp32 operation at a time in design §2's order."""
     f32 = np.float32
     x = np.asarray(x, dtype=f32).copy()
@@ -138,8 +139,9 @@ def rope_hadamard_row(x: np.ndarray, cos_sin: np.ndarray, hadamard: bool, dtype:
     with np.errstate(over="ignore", invalid="ignore"):
         for i in range(half):
             cos, sin = f32(cos_sin[i]), f32(cos_sin[half + i])
-            out[i] = f32(x[i] * cos) - f32(x[half + i] * sin)
-            out[half + i] = f32(x[half + i] * cos) + f32(x[i] * sin)
+            a, b = (2 * i, 2 * i + 1) if interleaved else (i, half + i)
+            out[a] = f32(x[a] * cos) - f32(x[b] * sin)
+            out[b] = f32(x[b] * cos) + f32(x[a] * sin)
         x = round_to(out, dtype)
         if not hadamard:
             return x

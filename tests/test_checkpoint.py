@@ -76,9 +76,11 @@ def dequantise(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def reference_projection(state, layer: int, hidden, q_latent, positions):
+def reference_projection(state, layer: int, hidden, q_latent, positions,
+                         interleaved: bool = False):
     """float64 q [T, H, D], k [T, D], raw head weights [T, H] of DeepSeek V3.2's indexer:
-    wq_b, wk + LayerNorm(1e-6), YaRN NeoX RoPE on the first 64 dims, Hadamard, weights_proj."""
+    wq_b, wk + LayerNorm(1e-6), YaRN NeoX RoPE on the first 64 dims (``interleaved``: on
+    their pairs 2i, 2i + 1, as GLM-5's indexer), Hadamard, weights_proj."""
     p = prefix_of(layer)
     wq_b = dequantise(state[p + "wq_b.weight"], state[p + "wq_b.weight_scale_inv"])
     wk = dequantise(state[p + "wk.weight"], state[p + "wk.weight_scale_inv"])
@@ -92,6 +94,10 @@ def reference_projection(state, layer: int, hidden, q_latent, positions):
     cos, sin = table[:, :half], table[:, half:]
 
     def rope(x, cos, sin):
+        if interleaved:
+            x1, x2 = x[..., 0:ROPE_DIM:2], x[..., 1:ROPE_DIM:2]
+            pairs = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+            return torch.cat([pairs.flatten(-2), x[..., ROPE_DIM:]], -1)
         x1, x2 = x[..., :half], x[..., half:ROPE_DIM]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., ROPE_DIM:]], -1)
 
@@ -233,23 +239,25 @@ def test_fp8_weights_layer_selects_as_the_dequantised_one(dtype):
     assert torch.equal(fp8.kv_cache, plain.kv_cache)
 
 
-@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
-def test_from_hf_config_layer_runs_prefill_then_decode(scale_fmt):
+@pytest.mark.parametrize("scale_fmt, interleave", [(None, False), ("ue8m0", False),
+                                                   ("ue8m0", True)])
+def test_from_hf_config_layer_runs_prefill_then_decode(scale_fmt, interleave):
     """... with the q and k scales of the config's scale_fmt (DeepSeek's fp8 checkpoints:
-    ue8m0, powers of two)."""
+    ue8m0, powers of two) and its indexer RoPE (GLM-5's: interleaved pairs)."""
     state = make_checkpoint()
-    config = {**HF_CONFIG, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
-                                                   "weight_block_size": [128, 128],
-                                                   "scale_fmt": scale_fmt}}
+    config = {**HF_CONFIG, "indexer_rope_interleave": interleave,
+              "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                      "weight_block_size": [128, 128], "scale_fmt": scale_fmt}}
     layer = make_layer(torch.float32, state, layer=3, config=config)
     cfg = layer.cfg
     assert (cfg.num_heads, cfg.head_dim, cfg.topk, layer.rope_dim) == (HEADS, DIM, TOPK, 64)
     ue8m0 = scale_fmt == "ue8m0"
-    assert cfg.ue8m0_scales == ue8m0
+    assert (cfg.ue8m0_scales, layer.rope_interleaved) == (ue8m0, interleave)
     keys, logits, outputs = {}, [], []
     for requests, positions, hidden, q_latent, out in run_prefill_then_decode(layer):
         outputs.append(out.indices)
-        q, k, w = reference_projection(state, 3, hidden, q_latent, torch.tensor(positions))
+        q, k, w = reference_projection(state, 3, hidden, q_latent, torch.tensor(positions),
+                                       interleave)
         q_codes, head_weights = ref.quantize_q(q.float().numpy(), w.float().numpy(), ue8m0)
         for r, pos, row in zip(requests, positions, k.float().numpy()):
             codes, scale = ref.quantize_row(row, ue8m0)
@@ -337,12 +345,16 @@ def test_from_hf_config_rope_parameters():
                                    **LIMITS, num_blocks=8)
 
 
-def test_from_hf_config_rejects_interleaved_rope():
-    with pytest.raises(NotImplementedError, match=r"indexer_rope_interleave .* not supported"):
-        dsa.Indexer.from_hf_config({**HF_CONFIG, "indexer_rope_interleave": True}, **LIMITS,
-                                   num_blocks=8)
-    dsa.Indexer.from_hf_config({**HF_CONFIG, "indexer_rope_interleave": False}, **LIMITS,
-                               num_blocks=8)
+def test_from_hf_config_glm5_style():
+    """A GLM-5-style config (glm_moe_dsa): plain RoPE of theta 8e6 in rope_parameters, on
+    interleaved pairs, ue8m0 scales."""
+    config = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_theta", "rope_scaling")}
+    config.update(architectures=["GlmMoeDsaForCausalLM"], indexer_rope_interleave=True,
+                  rope_parameters={"rope_theta": 8000000, "rope_type": "default"},
+                  quantization_config={"quant_method": "fp8", "scale_fmt": "ue8m0"})
+    layer = dsa.Indexer.from_hf_config(config, **LIMITS, num_blocks=8)
+    assert layer.rope_interleaved and layer.cfg.ue8m0_scales
+    np.testing.assert_allclose(layer.rope_cos_sin.numpy(), spec_table(8192, 64, 8e6), atol=1e-6)
 
 
 def test_from_hf_config_rope_scaling():

@@ -60,13 +60,13 @@ def run_project(face: str, args: tuple) -> tuple[torch.Tensor, torch.Tensor, tor
     return q_fp8.cpu(), head_weights.cpu(), args[8].cpu()
 
 
-def the_chain(args: tuple, projections: tuple | None = None
+def the_chain(args: tuple, projections: tuple | None = None, interleaved: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the op stands for on the CPU: the torch projections (``projections``: their
     ``project_torch`` outputs, already computed), then the two prologue ops."""
     cache = args[8].clone()
     q, k, weights = project_torch(*args[:8]) if projections is None else projections
-    rotation = args[10:]
+    rotation = (*args[10:14], interleaved)
     torch.ops.dsa.rope_hadamard_quantize_and_cache_k(k, cache, args[9], *rotation)
     return (*torch.ops.dsa.rope_hadamard_quantize_q(q, weights, *rotation), cache)
 
@@ -93,11 +93,12 @@ def weight_floor(args: tuple, projections: tuple) -> torch.Tensor:
     hidden, weights_proj = args[0].double(), args[7].double()
     magnitude = hidden.abs() @ weights_proj.abs().T
     q, _, weights = projections
-    unit = torch.ops.dsa.rope_hadamard_quantize_q(q, torch.ones_like(weights), *args[10:])[1]
+    unit = torch.ops.dsa.rope_hadamard_quantize_q(q, torch.ones_like(weights), *args[10:14])[1]
     return magnitude * unit.double() * hidden.shape[1] * 2.0**-22
 
 
-def assert_faces_close(got: tuple, args: tuple, projections: tuple | None = None) -> None:
+def assert_faces_close(got: tuple, args: tuple, projections: tuple | None = None,
+                       interleaved: bool = False) -> None:
     """The kernel face's outputs ``got`` against the CPU chain on ``args`` (fp8 weights
     dequantised; ``projections``: its ``project_torch`` outputs, already computed): q codes
     (by the chain's scales) and K cache rows as :func:`assert_codes_close`; q scales (in the
@@ -107,7 +108,7 @@ def assert_faces_close(got: tuple, args: tuple, projections: tuple | None = None
     if projections is None:
         projections = project_torch(*args[:8])
     q_fp8, head_weights, cache = got
-    q_want, w_want, cache_want = the_chain(args, projections)
+    q_want, w_want, cache_want = the_chain(args, projections, interleaved)
     floor = weight_floor(args, projections).float()
     assert bool(((head_weights - w_want).abs() <= w_want.abs() * 2.0**-6 + floor).all())
     assert_codes_close(q_fp8, w_want, q_want, w_want)  # a cancelled weight: any sign
@@ -211,6 +212,24 @@ def test_project_strided_inputs(face):
         assert_same_outputs(got, the_chain(args))
     else:
         assert_faces_close(got, args)
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+@pytest.mark.parametrize("tokens", [1, 3, KERNEL_TOKENS + 1])
+def test_project_interleaved_rope(face, tokens):
+    """RoPE on interleaved pairs (GLM-5's indexer) in the op's kernels and, past
+    KERNEL_TOKENS, in the prologue ops' kernels: the chain of the prologue ops so rotating
+    (and not the NeoX chain: the two rotations part)."""
+    args = (*project_case(7, tokens, 96, 80, 4, 32, torch.float32, 16), None, None, True)
+    got = run_project(face, args)
+    projections = project_torch(*args[:8])
+    want = the_chain(args, projections, interleaved=True)
+    if face == "cpu":
+        assert_same_outputs(got, want)
+    else:
+        assert_faces_close(got, args, projections, interleaved=True)
+    neox = the_chain(args, projections)
+    assert not torch.equal(neox[0].view(torch.uint8), want[0].view(torch.uint8))
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)

@@ -39,14 +39,15 @@ def rotation_case(gen, num_tokens, head_dim, rope_dim, max_len=16):
     return cos_sin, positions
 
 
-def reference_rotation(x, cos_sin, positions, hadamard):
+def reference_rotation(x, cos_sin, positions, hadamard, interleaved=False):
     """float64 ``x.shape`` of design §2's prologue rounding order, row by row."""
     rows = cos_sin[positions.long().clamp(0, cos_sin.shape[0] - 1)].numpy()
     flat = x.float().reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1]).numpy()
     out = np.zeros(flat.shape)
     for t, token_rows in enumerate(flat):
         for i, row in enumerate(token_rows):
-            out[t, i] = ref.rope_hadamard_row(row, rows[t], hadamard, DTYPE_NAMES[x.dtype])
+            out[t, i] = ref.rope_hadamard_row(row, rows[t], hadamard, DTYPE_NAMES[x.dtype],
+                                              interleaved)
     return out.reshape(x.shape)
 
 
@@ -64,19 +65,21 @@ def exact_rotation(x, cos_sin, positions, hadamard):
 
 _SIZES = {"head_dim": st.sampled_from([8, 16, 64]), "rope_div": st.sampled_from([1, 2, 4]),
           "dtype": st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
-          "hadamard": st.booleans(), "ue8m0": st.booleans(), "seed": st.integers(0, 2**31)}
+          "hadamard": st.booleans(), "ue8m0": st.booleans(), "interleaved": st.booleans(),
+          "seed": st.integers(0, 2**31)}
 
 
 def check_q_prologue(face, num_tokens, num_heads, head_dim, rope_div, dtype, hadamard, ue8m0,
-                     seed):
+                     interleaved, seed):
     gen = torch.Generator().manual_seed(seed)
     q = random_rows(gen, (num_tokens, num_heads, head_dim), dtype)
     weights = torch.randn(num_tokens, num_heads, generator=gen)
     cos_sin, positions = rotation_case(gen, num_tokens, head_dim, head_dim // rope_div)
     with ref.poisoned_empty():
         q_fp8, head_weights = run_op(face, Q_OP, q, weights, cos_sin, positions, hadamard,
-                                     ue8m0)
-    codes, want = ref.quantize_q(reference_rotation(q, cos_sin, positions, hadamard),
+                                     ue8m0, interleaved)
+    codes, want = ref.quantize_q(reference_rotation(q, cos_sin, positions, hadamard,
+                                                    interleaved),
                                  weights.double().numpy(), ue8m0)
     np.testing.assert_array_equal(q_fp8.view(torch.uint8).numpy(), codes)
     np.testing.assert_allclose(head_weights.numpy(), want, rtol=1e-6, atol=0)
@@ -90,16 +93,17 @@ test_q_prologue_cpu, test_q_prologue_kernel = face_tests(
 
 
 def check_k_prologue(face, num_tokens, block_size, head_dim, rope_div, dtype, hadamard, ue8m0,
-                     seed):
+                     interleaved, seed):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 3
     cache = random_cache(gen, num_blocks, block_size, head_dim)
     k = random_rows(gen, (num_tokens, head_dim), dtype)
     slots = random_slots(gen, num_tokens, num_blocks * block_size)
     cos_sin, positions = rotation_case(gen, num_tokens, head_dim, head_dim // rope_div)
-    rotated = reference_rotation(k, cos_sin, positions, hadamard)
+    rotated = reference_rotation(k, cos_sin, positions, hadamard, interleaved)
     want = ref.write_cache(cache.numpy(), rotated, slots.numpy(), block_size, ue8m0)
-    write_cache(face, k, cache, slots, cos_sin, positions, hadamard, ue8m0, op=K_OP)
+    write_cache(face, k, cache, slots, cos_sin, positions, hadamard, ue8m0, interleaved,
+                op=K_OP)
     np.testing.assert_array_equal(cache.view(-1).numpy(), want)
 
 

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 import dsa
-from dsa.rope import YarnScaling, rope_scaling_from_hf, rope_table
+from dsa.rope import (
+    YarnScaling,
+    interleaved_rope,
+    neox_rope,
+    rope_scaling_from_hf,
+    rope_table,
+)
 
 V32_ROPE_SCALING = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -125,3 +131,18 @@ def test_hf_rope_scaling_spellings():
 def test_bad_rope_scaling_raises(hf, match):
     with pytest.raises(ValueError, match=match):
         rope_scaling_from_hf(hf)
+
+
+@pytest.mark.parametrize("rope_dim, head_dim", [(2, 2), (4, 8), (64, 128), (6, 10)])
+def test_interleaved_rope_is_neox_on_paired_dims(rope_dim, head_dim):
+    """Interleaved pairs (2i, 2i + 1) rotate as NeoX halves (i, i + rope_dim / 2) of the dims
+    gathered evens first, bit for bit; the dims past rope_dim stay."""
+    gen = torch.Generator().manual_seed(rope_dim)
+    x = torch.randn(5, 3, head_dim, generator=gen).bfloat16()
+    cos_sin = rope_table(5, rope_dim, 10000.0)[:, None]
+    evens_first = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2),
+                             torch.arange(rope_dim, head_dim)])
+    back = torch.argsort(evens_first)
+    want = neox_rope(x[..., evens_first], cos_sin, rope_dim)[..., back]
+    assert torch.equal(interleaved_rope(x, cos_sin, rope_dim), want)
+    assert not torch.equal(want, neox_rope(x, cos_sin, rope_dim)) or rope_dim == 2

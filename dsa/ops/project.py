@@ -3,8 +3,9 @@
 
 ``project_quantize_and_cache_k(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps,
 weights_proj, kv_cache, slot_mapping, cos_sin, positions, hadamard, ue8m0, wq_b_scale,
-wk_scale)`` → ``(q_fp8 [T, H, D], head_weights [T, H])``, and the step's K written to
-``kv_cache``: the layer's three projections, then its two prologue ops (τ = hidden's dtype)::
+wk_scale, interleaved)`` → ``(q_fp8 [T, H, D], head_weights [T, H])``, and the step's K
+written to ``kv_cache``: the layer's three projections, then its two prologue ops (τ =
+hidden's dtype)::
 
     q = round_τ(q_latent @ wq_b.T) viewed as [T, H, D]
     k = round_τ(LayerNorm(round_τ(hidden @ wk.T)))              (LayerNorm in fp32)
@@ -216,7 +217,8 @@ def _project_quantize_out(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Te
                           weights_proj: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                           cos_sin: Tensor, positions: Tensor, hadamard: bool = True,
                           ue8m0: bool = False, wq_b_scale: Tensor | None = None,
-                          wk_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                          wk_scale: Tensor | None = None, interleaved: bool = False
+                          ) -> tuple[Tensor, Tensor]:
     n = _check(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps, weights_proj, kv_cache,
                slot_mapping, cos_sin, positions, hadamard, ue8m0, wq_b_scale, wk_scale)
     return (hidden.new_empty((n.tokens, n.heads, n.head_dim), dtype=torch.float8_e4m3fn),
@@ -243,15 +245,16 @@ def _project_quantize_cpu(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Te
                           weights_proj: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                           cos_sin: Tensor, positions: Tensor, hadamard: bool = True,
                           ue8m0: bool = False, wq_b_scale: Tensor | None = None,
-                          wk_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                          wk_scale: Tensor | None = None, interleaved: bool = False
+                          ) -> tuple[Tensor, Tensor]:
     outputs = _project_quantize_out(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps,
                                     weights_proj, kv_cache, slot_mapping, cos_sin, positions,
-                                    hadamard, ue8m0, wq_b_scale, wk_scale)
+                                    hadamard, ue8m0, wq_b_scale, wk_scale, interleaved)
     q, k, weights = project_torch(hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps,
                                   weights_proj, wq_b_scale, wk_scale)
-    write_k_rows(rope_hadamard(k, cos_sin, positions, hadamard), kv_cache, slot_mapping, ue8m0)
-    return quantize_heads_into(*outputs, rope_hadamard(q, cos_sin, positions, hadamard),
-                               weights, ue8m0)
+    rotation = (cos_sin, positions, hadamard, interleaved)
+    write_k_rows(rope_hadamard(k, *rotation), kv_cache, slot_mapping, ue8m0)
+    return quantize_heads_into(*outputs, rope_hadamard(q, *rotation), weights, ue8m0)
 
 
 # --- the kernels -----------------------------------------------------------------------------
@@ -537,11 +540,11 @@ def _layer_norm(x, mean, rstd, nw_ptr, nb_ptr, cols, ok):
 def _q_rows(pid, hpart_ptr, qpart_ptr, tokens, q_out_ptr, hw_ptr, cs_ptr, pos_ptr, max_pos, c,
             w_scale, dtype: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, H_SLICES: tl.constexpr,
-            Q_SLICES: tl.constexpr, ROPE_DIM: tl.constexpr, HADAMARD: tl.constexpr,
-            LOG2_D: tl.constexpr, UE8M0: tl.constexpr):
+            Q_SLICES: tl.constexpr, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+            HADAMARD: tl.constexpr, LOG2_D: tl.constexpr, UE8M0: tl.constexpr):
     """BLOCK_R rows of the flat ``[T * H]`` q heads: q and weight partials added up, q
     rounded to ``dtype``, then the q prologue."""
-    d, partner, in_rope = rope_partner(BLOCK_D, ROPE_DIM)
+    d, partner, in_rope = rope_partner(BLOCK_D, ROPE_DIM, INTERLEAVED)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < tokens * H
     base = rows.to(tl.int64)[:, None] * D
@@ -553,7 +556,7 @@ def _q_rows(pid, hpart_ptr, qpart_ptr, tokens, q_out_ptr, hw_ptr, cs_ptr, pos_pt
     tok = rows // H
     pos = load_positions(pos_ptr, tok, row_ok, max_pos)
     x = rope_hadamard_tile(round_to(x, dtype), round_to(other, dtype), row_ok, pos, cs_ptr, c,
-                           dtype, BLOCK_R, BLOCK_D, ROPE_DIM, HADAMARD, LOG2_D)
+                           dtype, BLOCK_R, BLOCK_D, ROPE_DIM, INTERLEAVED, HADAMARD, LOG2_D)
     w = _summed(hpart_ptr, tokens * (D + H), tok.to(tl.int64) * (D + H) + D + rows % H, row_ok,
                 H_SLICES)
     store_q_rows(x, w, rows, tokens * H, q_out_ptr, hw_ptr, w_scale, D=D, BLOCK_D=BLOCK_D,
@@ -565,11 +568,11 @@ def _k_token(t, hpart_ptr, tokens, nw_ptr, nb_ptr, eps, slot_ptr, value_ptr, sca
              num_slots, cs_ptr, pos_ptr, max_pos, c, dtype: tl.constexpr, H: tl.constexpr,
              D: tl.constexpr, BLOCK_D: tl.constexpr, H_SLICES: tl.constexpr,
              VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, BS: tl.constexpr,
-             ROPE_DIM: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr,
-             UE8M0: tl.constexpr):
+             ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, HADAMARD: tl.constexpr,
+             LOG2_D: tl.constexpr, UE8M0: tl.constexpr):
     """Token ``t``'s k: partials added up and rounded to ``dtype``, LayerNorm, rounded (each
     rotated column's partner from the same sums and statistics), then the k prologue."""
-    d, partner, in_rope = rope_partner(BLOCK_D, ROPE_DIM)
+    d, partner, in_rope = rope_partner(BLOCK_D, ROPE_DIM, INTERLEAVED)
     tok = t + tl.arange(0, 1)
     slot, ok = load_slots(slot_ptr, tok, tokens, num_slots)
     base = tok.to(tl.int64)[:, None] * (D + H)
@@ -585,8 +588,8 @@ def _k_token(t, hpart_ptr, tokens, nw_ptr, nb_ptr, eps, slot_ptr, value_ptr, sca
     other = round_to(_layer_norm(other, mean, rstd, nw_ptr, nb_ptr, partner[None, :],
                                  in_rope[None, :]), dtype)
     pos = load_positions(pos_ptr, tok, ok, max_pos)
-    x = rope_hadamard_tile(x, other, ok, pos, cs_ptr, c, dtype, 1, BLOCK_D, ROPE_DIM, HADAMARD,
-                           LOG2_D)
+    x = rope_hadamard_tile(x, other, ok, pos, cs_ptr, c, dtype, 1, BLOCK_D, ROPE_DIM,
+                           INTERLEAVED, HADAMARD, LOG2_D)
     store_k_rows(x, slot, ok, value_ptr, scale_ptr, VALUE_STRIDE=VALUE_STRIDE,
                  SCALE_STRIDE=SCALE_STRIDE, BS=BS, D=D, BLOCK_D=BLOCK_D, UE8M0=UE8M0)
 
@@ -598,26 +601,29 @@ def _prologue_kernel(hpart_ptr, qpart_ptr, tokens, q_programs, nw_ptr, nb_ptr, e
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
                      H_SLICES: tl.constexpr, Q_SLICES: tl.constexpr,
                      VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, BS: tl.constexpr,
-                     ROPE_DIM: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr,
-                     UE8M0: tl.constexpr, PDL: tl.constexpr):
+                     ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                     HADAMARD: tl.constexpr, LOG2_D: tl.constexpr, UE8M0: tl.constexpr,
+                     PDL: tl.constexpr):
     """The first ``q_programs`` programs: :func:`_q_rows`; then one per token: :func:`_k_token`."""
     pdl_chain_wait(PDL)
     pid = tl.program_id(0)
     if pid < q_programs:
         _q_rows(pid, hpart_ptr, qpart_ptr, tokens, q_out_ptr, hw_ptr, cs_ptr, pos_ptr, max_pos,
                 c, w_scale, dtype, H, D, BLOCK_D, BLOCK_R, H_SLICES, Q_SLICES, ROPE_DIM,
-                HADAMARD, LOG2_D, UE8M0)
+                INTERLEAVED, HADAMARD, LOG2_D, UE8M0)
     else:
         _k_token(pid - q_programs, hpart_ptr, tokens, nw_ptr, nb_ptr, eps, slot_ptr, value_ptr,
                  scale_ptr, num_slots, cs_ptr, pos_ptr, max_pos, c, dtype, H, D, BLOCK_D,
-                 H_SLICES, VALUE_STRIDE, SCALE_STRIDE, BS, ROPE_DIM, HADAMARD, LOG2_D, UE8M0)
+                 H_SLICES, VALUE_STRIDE, SCALE_STRIDE, BS, ROPE_DIM, INTERLEAVED, HADAMARD,
+                 LOG2_D, UE8M0)
 
 
 def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
                    norm_weight: Tensor, norm_bias: Tensor, eps: float, weights_proj: Tensor,
                    kv_cache: Tensor, slot_mapping: Tensor, cos_sin: Tensor, positions: Tensor,
                    hadamard: bool, ue8m0: bool, q_fp8: Tensor, head_weights: Tensor,
-                   wq_b_scale: Tensor | None = None, wk_scale: Tensor | None = None) -> None:
+                   wq_b_scale: Tensor | None = None, wk_scale: Tensor | None = None,
+                   interleaved: bool = False) -> None:
     """The two Triton launches into ``q_fp8``, ``head_weights`` and the cache (arguments
     already validated; at most ``KERNEL_TOKENS`` tokens)."""
     n = _Sizes(hidden, q_latent, wk, weights_proj)
@@ -671,7 +677,8 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            BLOCK_R=block_r, H_SLICES=h_slices, Q_SLICES=q_slices,
            VALUE_STRIDE=values.stride(0), SCALE_STRIDE=scales.stride(0), BS=block_size,
            UE8M0=ue8m0, num_warps=tile_warps(block_r, block_d), PDL=chain,
-           **rope_constexprs(n.head_dim, cos_sin, hadamard), **pdl_launch(chain > 0))
+           **rope_constexprs(n.head_dim, cos_sin, hadamard, interleaved),
+           **pdl_launch(chain > 0))
 
 
 def _tma_tiles(t: Tensor) -> bool:
@@ -710,15 +717,18 @@ def _project_quantize_cuda(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: T
                            weights_proj: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                            cos_sin: Tensor, positions: Tensor, hadamard: bool = True,
                            ue8m0: bool = False, wq_b_scale: Tensor | None = None,
-                           wk_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                           wk_scale: Tensor | None = None, interleaved: bool = False
+                           ) -> tuple[Tensor, Tensor]:
     args = (hidden, q_latent, wq_b, wk, norm_weight, norm_bias, eps, weights_proj)
     rotation = (cos_sin, positions, hadamard, ue8m0)
     scales = (wq_b_scale, wk_scale)
-    outputs = _project_quantize_out(*args, kv_cache, slot_mapping, *rotation, *scales)
+    outputs = _project_quantize_out(*args, kv_cache, slot_mapping, *rotation, *scales,
+                                    interleaved)
     if hidden.shape[0] <= KERNEL_TOKENS:
-        project_triton(*args, kv_cache, slot_mapping, *rotation, *outputs, *scales)
+        project_triton(*args, kv_cache, slot_mapping, *rotation, *outputs, *scales,
+                       interleaved=interleaved)
         return outputs
     q, k, weights = project_torch(*args, *scales)
-    k_prologue_triton(k, kv_cache, slot_mapping, *rotation)
-    q_prologue_triton(q, weights, *rotation, *outputs)
+    k_prologue_triton(k, kv_cache, slot_mapping, *rotation, interleaved=interleaved)
+    q_prologue_triton(q, weights, *rotation, *outputs, interleaved=interleaved)
     return outputs

@@ -1,16 +1,19 @@
 """The indexer's q/k prologue in one pass each (design §2, "Prologue"): RoPE, the Hadamard
 rotation and fp8 quantisation after the projections, one launch for q, one for k.
 
-- ``dsa::rope_hadamard_quantize_q(q, weights, cos_sin, positions, hadamard, ue8m0)``:
-  ``quantize_q`` of the rotated q, ``(q_fp8 [T, H, D], head_weights [T, H])``.
+- ``dsa::rope_hadamard_quantize_q(q, weights, cos_sin, positions, hadamard, ue8m0,
+  interleaved)``: ``quantize_q`` of the rotated q, ``(q_fp8 [T, H, D], head_weights [T, H])``.
 - ``dsa::rope_hadamard_quantize_and_cache_k(k, kv_cache, slot_mapping, cos_sin, positions,
-  hadamard, ue8m0)``: ``quantize_and_cache_k`` of the rotated k (mutates ``kv_cache``).
+  hadamard, ue8m0, interleaved)``: ``quantize_and_cache_k`` of the rotated k (mutates
+  ``kv_cache``).
 
 ``cos_sin`` is the fp32 RoPE table ``[max_len, rope_dim]`` (cos, then sin; design §10),
-indexed by ``positions`` clamped into it. Each row is rounded to the input's dtype after
-RoPE and after the Hadamard rotation, as the unfused path does; the rotation is a fast
-Walsh-Hadamard transform (butterflies ``(a + b, a - b)`` of stride 1, 2, ..., D/2, in fp32)
-times the dtype's rounding of ``D**-0.5``, in that order on every face.
+indexed by ``positions`` clamped into it; RoPE rotates NeoX halves (dim ``i`` with ``i +
+rope_dim / 2``, DeepSeek), or with ``interleaved`` pairs (``2i`` with ``2i + 1``, GLM-5), at
+frequency ``i``. Each row is rounded to the input's dtype after RoPE and after the Hadamard
+rotation, as the unfused path does; the rotation is a fast Walsh-Hadamard transform
+(butterflies ``(a + b, a - b)`` of stride 1, 2, ..., D/2, in fp32) times the dtype's rounding
+of ``D**-0.5``, in that order on every face.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from dsa.ops.quant import (
     store_q_rows,
     weight_scale,
 )
-from dsa.rope import neox_rope
+from dsa.rope import interleaved_rope, neox_rope
 
 # Triton contracts a * b - c * d into an fma; the torch face rounds every product.
 _NO_FMA = {"enable_fp_fusion": False}
@@ -92,11 +95,14 @@ def fwht(x: Tensor) -> Tensor:
     return x
 
 
-def rope_hadamard(x: Tensor, cos_sin: Tensor, positions: Tensor, hadamard: bool) -> Tensor:
-    """Torch face of the rotation: ``x`` ``[T, D]`` or ``[T, H, D]`` after NeoX RoPE and the
-    Hadamard rotation, in ``x``'s dtype, rounded as the module docstring says."""
+def rope_hadamard(x: Tensor, cos_sin: Tensor, positions: Tensor, hadamard: bool,
+                  interleaved: bool = False) -> Tensor:
+    """Torch face of the rotation: ``x`` ``[T, D]`` or ``[T, H, D]`` after RoPE (NeoX halves,
+    or interleaved pairs) and the Hadamard rotation, in ``x``'s dtype, rounded as the module
+    docstring says."""
     cs = cos_sin[positions.long().clamp(0, cos_sin.shape[0] - 1)]
-    x = neox_rope(x, cs.view(cs.shape[0], *[1] * (x.ndim - 2), cs.shape[1]), cos_sin.shape[1])
+    rope = interleaved_rope if interleaved else neox_rope
+    x = rope(x, cs.view(cs.shape[0], *[1] * (x.ndim - 2), cs.shape[1]), cos_sin.shape[1])
     if hadamard:
         x = (fwht(x.float()) * hadamard_scale(x.shape[-1], x.dtype)).to(x.dtype)
     return x
@@ -113,26 +119,33 @@ def _fwht_rows(x, BLOCK_R: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
 
 
 @triton.jit
-def rope_partner(BLOCK_D: tl.constexpr, ROPE_DIM: tl.constexpr):
-    """(columns ``d``, the column each rotates with: ``d ± ROPE_DIM / 2``, whether ``d`` is
-    rotated)."""
+def rope_partner(BLOCK_D: tl.constexpr, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """(columns ``d``, the column each rotates with: ``d ± ROPE_DIM / 2``, or ``d ^ 1``
+    INTERLEAVED; whether ``d`` is rotated)."""
     HALF: tl.constexpr = ROPE_DIM // 2
     d = tl.arange(0, BLOCK_D)
-    return d, tl.where(d < HALF, d + HALF, d - HALF), d < ROPE_DIM
+    partner = d ^ 1 if INTERLEAVED else tl.where(d < HALF, d + HALF, d - HALF)
+    return d, partner, d < ROPE_DIM
 
 
 @triton.jit
 def rope_hadamard_tile(x, other, row_ok, pos, cs_ptr, c, dtype: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROPE_DIM: tl.constexpr,
-                       HADAMARD: tl.constexpr, LOG2_D: tl.constexpr):
+                       INTERLEAVED: tl.constexpr, HADAMARD: tl.constexpr,
+                       LOG2_D: tl.constexpr):
     """fp32 rows ``x`` ``[BLOCK_R, BLOCK_D]`` (values of ``dtype``; ``other``: each rotated
     column's partner, :func:`rope_partner`) after RoPE at ``pos`` and the Hadamard rotation,
     rounded to ``dtype`` after each."""
     HALF: tl.constexpr = ROPE_DIM // 2
-    d, _, in_rope = rope_partner(BLOCK_D, ROPE_DIM)
-    first = d < HALF
+    d, _, in_rope = rope_partner(BLOCK_D, ROPE_DIM, INTERLEAVED)
+    if INTERLEAVED:  # the pair's first column, and its frequency
+        first = d % 2 == 0
+        freq = d // 2
+    else:
+        first = d < HALF
+        freq = d % HALF
     rope_mask = row_ok[:, None] & in_rope[None, :]
-    cs = cs_ptr + pos[:, None] * ROPE_DIM + (d % HALF)[None, :]
+    cs = cs_ptr + pos[:, None] * ROPE_DIM + freq[None, :]
     cos = tl.load(cs, mask=rope_mask, other=0.0)
     sin = tl.load(cs + HALF, mask=rope_mask, other=0.0)
     rotated = tl.where(first[None, :], x * cos - other * sin, x * cos + other * sin)
@@ -145,17 +158,18 @@ def rope_hadamard_tile(x, other, row_ok, pos, cs_ptr, c, dtype: tl.constexpr,
 @triton.jit
 def _rope_hadamard_rows(x_ptr, row_offs, col_stride, row_ok, pos, cs_ptr, c,
                         BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                        ROPE_DIM: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr):
+                        ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                        HADAMARD: tl.constexpr, LOG2_D: tl.constexpr):
     """Rows ``row_offs`` of ``x_ptr`` after RoPE at ``pos`` and the Hadamard rotation, as
     fp32 values of ``x_ptr``'s dtype; zero past ``D`` and where not ``row_ok``."""
-    d, partner, in_rope = rope_partner(BLOCK_D, ROPE_DIM)
+    d, partner, in_rope = rope_partner(BLOCK_D, ROPE_DIM, INTERLEAVED)
     base = x_ptr + row_offs[:, None]
     x = tl.load(base + d[None, :] * col_stride, mask=row_ok[:, None] & (d < D)[None, :],
                 other=0.0).to(tl.float32)
     other = tl.load(base + partner[None, :] * col_stride,
                     mask=row_ok[:, None] & in_rope[None, :], other=0.0).to(tl.float32)
     return rope_hadamard_tile(x, other, row_ok, pos, cs_ptr, c, x_ptr.dtype.element_ty,
-                              BLOCK_R, BLOCK_D, ROPE_DIM, HADAMARD, LOG2_D)
+                              BLOCK_R, BLOCK_D, ROPE_DIM, INTERLEAVED, HADAMARD, LOG2_D)
 
 
 @triton.jit
@@ -164,11 +178,13 @@ def load_positions(pos_ptr, tok, ok, max_pos):
     return tl.minimum(tl.maximum(pos, 0), max_pos)
 
 
-def rope_constexprs(head_dim: int, cos_sin: Tensor, hadamard: bool) -> dict:
+def rope_constexprs(head_dim: int, cos_sin: Tensor, hadamard: bool, interleaved: bool
+                    ) -> dict:
     """Constexprs of :func:`rope_hadamard_tile` (D is a power of two with the Hadamard) and
     the compile option every face's rounding needs."""
     log2_d = head_dim.bit_length() - 1 if hadamard else 0
-    return {"ROPE_DIM": cos_sin.shape[1], "HADAMARD": hadamard, "LOG2_D": log2_d, **_NO_FMA}
+    return {"ROPE_DIM": cos_sin.shape[1], "INTERLEAVED": interleaved, "HADAMARD": hadamard,
+            "LOG2_D": log2_d, **_NO_FMA}
 
 
 # --- rope_hadamard_quantize_q ----------------------------------------------------------------
@@ -177,7 +193,8 @@ def rope_constexprs(head_dim: int, cos_sin: Tensor, hadamard: bool) -> dict:
 @dsa_op("rope_hadamard_quantize_q")
 def _rope_hadamard_quantize_q_out(q: Tensor, weights: Tensor, cos_sin: Tensor,
                                   positions: Tensor, hadamard: bool = True,
-                                  ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+                                  ue8m0: bool = False, interleaved: bool = False
+                                  ) -> tuple[Tensor, Tensor]:
     op = "rope_hadamard_quantize_q"
     check_q(op, q, weights)
     check_rope(op, q, cos_sin, positions, hadamard)
@@ -187,23 +204,26 @@ def _rope_hadamard_quantize_q_out(q: Tensor, weights: Tensor, cos_sin: Tensor,
 @_rope_hadamard_quantize_q_out.cpu
 def _rope_hadamard_quantize_q_cpu(q: Tensor, weights: Tensor, cos_sin: Tensor,
                                   positions: Tensor, hadamard: bool = True,
-                                  ue8m0: bool = False) -> tuple[Tensor, Tensor]:
-    outputs = _rope_hadamard_quantize_q_out(q, weights, cos_sin, positions, hadamard, ue8m0)
-    return quantize_heads_into(*outputs, rope_hadamard(q, cos_sin, positions, hadamard),
-                               weights, ue8m0)
+                                  ue8m0: bool = False, interleaved: bool = False
+                                  ) -> tuple[Tensor, Tensor]:
+    outputs = _rope_hadamard_quantize_q_out(q, weights, cos_sin, positions, hadamard, ue8m0,
+                                            interleaved)
+    rotated = rope_hadamard(q, cos_sin, positions, hadamard, interleaved)
+    return quantize_heads_into(*outputs, rotated, weights, ue8m0)
 
 
 @triton.jit
 def _q_prologue_kernel(q_ptr, w_ptr, w_stride0, w_stride1, cs_ptr, pos_ptr, max_pos, out_ptr,
                        hw_ptr, num_rows, c, w_scale, H: tl.constexpr, D: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, ROPE_DIM: tl.constexpr,
-                       HADAMARD: tl.constexpr, LOG2_D: tl.constexpr, UE8M0: tl.constexpr):
+                       INTERLEAVED: tl.constexpr, HADAMARD: tl.constexpr,
+                       LOG2_D: tl.constexpr, UE8M0: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
     pos = load_positions(pos_ptr, rows // H, row_ok, max_pos)
     x = _rope_hadamard_rows(q_ptr, rows.to(tl.int64) * D, 1, row_ok, pos, cs_ptr, c,
                             BLOCK_R=BLOCK_R, D=D, BLOCK_D=BLOCK_D, ROPE_DIM=ROPE_DIM,
-                            HADAMARD=HADAMARD, LOG2_D=LOG2_D)
+                            INTERLEAVED=INTERLEAVED, HADAMARD=HADAMARD, LOG2_D=LOG2_D)
     w = load_head_weights(w_ptr, w_stride0, w_stride1, rows, num_rows, H)
     store_q_rows(x, w, rows, num_rows, out_ptr, hw_ptr, w_scale, D=D, BLOCK_D=BLOCK_D,
                  UE8M0=UE8M0)
@@ -220,7 +240,8 @@ Q_ROWS, K_TOKENS = 4, 2
 
 def q_prologue_triton(q: Tensor, weights: Tensor, cos_sin: Tensor, positions: Tensor,
                       hadamard: bool, ue8m0: bool, q_fp8: Tensor, head_weights: Tensor,
-                      block_r: int | None = None, num_warps: int | None = None) -> None:
+                      block_r: int | None = None, num_warps: int | None = None,
+                      interleaved: bool = False) -> None:
     """The q kernel into given outputs, ``block_r`` (token, head) rows a program (default:
     ``row_tile``'s, at most Q_ROWS; the rotation holds four tiles of the rows) in
     ``num_warps`` warps (default: ``tile_warps``)."""
@@ -236,15 +257,18 @@ def q_prologue_triton(q: Tensor, weights: Tensor, cos_sin: Tensor, positions: Te
            hadamard_scale(head_dim, q.dtype), weight_scale(num_heads, head_dim), H=num_heads,
            D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, UE8M0=ue8m0,
            num_warps=num_warps or tile_warps(block_r, block_d),
-           **rope_constexprs(head_dim, cos_sin, hadamard))
+           **rope_constexprs(head_dim, cos_sin, hadamard, interleaved))
 
 
 @_rope_hadamard_quantize_q_out.cuda
 def _rope_hadamard_quantize_q_cuda(q: Tensor, weights: Tensor, cos_sin: Tensor,
                                    positions: Tensor, hadamard: bool = True,
-                                   ue8m0: bool = False) -> tuple[Tensor, Tensor]:
-    outputs = _rope_hadamard_quantize_q_out(q, weights, cos_sin, positions, hadamard, ue8m0)
-    q_prologue_triton(q, weights, cos_sin, positions, hadamard, ue8m0, *outputs)
+                                   ue8m0: bool = False, interleaved: bool = False
+                                   ) -> tuple[Tensor, Tensor]:
+    outputs = _rope_hadamard_quantize_q_out(q, weights, cos_sin, positions, hadamard, ue8m0,
+                                            interleaved)
+    q_prologue_triton(q, weights, cos_sin, positions, hadamard, ue8m0, *outputs,
+                      interleaved=interleaved)
     return outputs
 
 
@@ -253,7 +277,8 @@ def _rope_hadamard_quantize_q_cuda(q: Tensor, weights: Tensor, cos_sin: Tensor,
 
 @dsa_op("rope_hadamard_quantize_and_cache_k", mutates_args=("kv_cache",))
 def _check_k_prologue(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, cos_sin: Tensor,
-                      positions: Tensor, hadamard: bool = True, ue8m0: bool = False) -> None:
+                      positions: Tensor, hadamard: bool = True, ue8m0: bool = False,
+                      interleaved: bool = False) -> None:
     op = "rope_hadamard_quantize_and_cache_k"
     check_k_write(op, k, kv_cache, slot_mapping, ue8m0)
     check_rope(op, k, cos_sin, positions, hadamard)
@@ -262,9 +287,12 @@ def _check_k_prologue(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, cos_sin
 @_check_k_prologue.cpu
 def _rope_hadamard_quantize_and_cache_k_cpu(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                                             cos_sin: Tensor, positions: Tensor,
-                                            hadamard: bool = True, ue8m0: bool = False) -> None:
-    _check_k_prologue(k, kv_cache, slot_mapping, cos_sin, positions, hadamard, ue8m0)
-    write_k_rows(rope_hadamard(k, cos_sin, positions, hadamard), kv_cache, slot_mapping, ue8m0)
+                                            hadamard: bool = True, ue8m0: bool = False,
+                                            interleaved: bool = False) -> None:
+    _check_k_prologue(k, kv_cache, slot_mapping, cos_sin, positions, hadamard, ue8m0,
+                      interleaved)
+    write_k_rows(rope_hadamard(k, cos_sin, positions, hadamard, interleaved), kv_cache,
+                 slot_mapping, ue8m0)
 
 
 @triton.jit
@@ -272,31 +300,36 @@ def _k_prologue_kernel(k_ptr, k_stride0, k_stride1, slot_ptr, value_ptr, scale_p
                        num_slots, cs_ptr, pos_ptr, max_pos, c, VALUE_STRIDE: tl.constexpr,
                        SCALE_STRIDE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, ROPE_DIM: tl.constexpr,
-                       HADAMARD: tl.constexpr, LOG2_D: tl.constexpr, UE8M0: tl.constexpr):
+                       INTERLEAVED: tl.constexpr, HADAMARD: tl.constexpr,
+                       LOG2_D: tl.constexpr, UE8M0: tl.constexpr):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot, ok = load_slots(slot_ptr, tok, num_tokens, num_slots)
     pos = load_positions(pos_ptr, tok, ok, max_pos)
     x = _rope_hadamard_rows(k_ptr, tok.to(tl.int64) * k_stride0, k_stride1, ok, pos, cs_ptr, c,
                             BLOCK_R=BLOCK_T, D=D, BLOCK_D=BLOCK_D, ROPE_DIM=ROPE_DIM,
-                            HADAMARD=HADAMARD, LOG2_D=LOG2_D)
+                            INTERLEAVED=INTERLEAVED, HADAMARD=HADAMARD, LOG2_D=LOG2_D)
     store_k_rows(x, slot, ok, value_ptr, scale_ptr, VALUE_STRIDE=VALUE_STRIDE,
                  SCALE_STRIDE=SCALE_STRIDE, BS=BS, D=D, BLOCK_D=BLOCK_D, UE8M0=UE8M0)
 
 
 def k_prologue_triton(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, cos_sin: Tensor,
                       positions: Tensor, hadamard: bool, ue8m0: bool,
-                      block_t: int | None = None, num_warps: int | None = None) -> None:
+                      block_t: int | None = None, num_warps: int | None = None,
+                      interleaved: bool = False) -> None:
     """The k kernel, ``block_t`` tokens a program (default: ``row_tile``'s, at most
     K_TOKENS) in ``num_warps`` warps (default: ``tile_warps``)."""
     launch_k_rows(_k_prologue_kernel, k, kv_cache, slot_mapping, cos_sin, positions,
                   cos_sin.shape[0] - 1, hadamard_scale(k.shape[1], k.dtype), block_t=block_t,
                   num_warps=num_warps, max_block_t=K_TOKENS, UE8M0=ue8m0,
-                  **rope_constexprs(k.shape[1], cos_sin, hadamard))
+                  **rope_constexprs(k.shape[1], cos_sin, hadamard, interleaved))
 
 
 @_check_k_prologue.cuda
 def _rope_hadamard_quantize_and_cache_k_cuda(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                                              cos_sin: Tensor, positions: Tensor,
-                                             hadamard: bool = True, ue8m0: bool = False) -> None:
-    _check_k_prologue(k, kv_cache, slot_mapping, cos_sin, positions, hadamard, ue8m0)
-    k_prologue_triton(k, kv_cache, slot_mapping, cos_sin, positions, hadamard, ue8m0)
+                                             hadamard: bool = True, ue8m0: bool = False,
+                                             interleaved: bool = False) -> None:
+    _check_k_prologue(k, kv_cache, slot_mapping, cos_sin, positions, hadamard, ue8m0,
+                      interleaved)
+    k_prologue_triton(k, kv_cache, slot_mapping, cos_sin, positions, hadamard, ue8m0,
+                      interleaved=interleaved)
