@@ -55,29 +55,29 @@ def test_cpu_graph_keeps_the_ops():
     assert metadata_graph_calls("cpu") == {"dsa": 3, "triton": 0}
 
 
+def with_real_triton(module: str, *args: str, **env: str) -> object:
+    """The JSON a test module (``python -m tests.<module> *args``) prints last, run in a
+    subprocess without TRITON_INTERPRET: real Triton kernels, not the interpreter's."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **env,
+           "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-m", f"tests.{module}", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("triton_op", ["1", "0"])
 def test_cuda_graph_holds_the_kernels(triton_op):
     """On (fake) CUDA inputs the metadata ops decompose into their kernel calls; opaque
-    with DSA_TRITON_OP=0. A subprocess: real Triton kernels, not the interpreter's."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(DSA_TRITON_OP=triton_op, PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-m", "tests.graph_ops", "cuda"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    calls = json.loads(run.stdout.strip().splitlines()[-1])
+    with DSA_TRITON_OP=0."""
+    calls = with_real_triton("graph_ops", "cuda", DSA_TRITON_OP=triton_op)
     assert calls == ({"dsa": 0, "triton": 3} if triton_op == "1" else {"dsa": 3, "triton": 0})
 
 
 def test_inductor_copies_of_the_kernels_are_self_contained():
     """Inductor compiles a traced triton_op's kernels from copies of their sources
-    (tests/kernel_sources.py): every global a copy loads is in it. A subprocess: real Triton
-    kernels, not the interpreter's."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-m", "tests.kernel_sources"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    (tests/kernel_sources.py): every global a copy loads is in it."""
+    result = with_real_triton("kernel_sources")
     assert result["kernels"] >= 20
     assert result["undefined"] == {}
 
