@@ -65,8 +65,10 @@ BATCH_FIELDS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "p
 def full_decode(batch: int, length: int,
                 **overrides: object) -> tuple[dsa.IndexerConfig, dsa.Indexer, dsa.Batch]:
     """A V3.2-sized layer on a random, full K cache, and ``batch`` one-token decode requests
-    at context ``length`` (``overrides``: more IndexerConfig fields)."""
+    at context ``length`` (``overrides``: more IndexerConfig fields). q and k are quantised
+    with ue8m0 scales unless overridden, as V3.2's config asks (its ``scale_fmt``)."""
     blocks = batch * -(-length // 64)
+    overrides.setdefault("ue8m0_scales", True)
     cfg = dsa.IndexerConfig(max_num_reqs=batch, max_num_batched_tokens=batch,
                             max_model_len=length, num_blocks=blocks, **overrides)
     layer = dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, device="cuda")
@@ -210,7 +212,8 @@ def main() -> None:
         "Decode step of one indexer layer: replay paths of the CUDA graph vs eager",
         markdown_table(header, rows),
         notes=(f"hidden {HIDDEN}, q_lora_rank {Q_LORA_RANK}, H=64, D=128, top-k 2048, "
-               "next_n 1, full contexts, bf16, logits backend auto, `num_blocks` set; a full "
+               "next_n 1, ue8m0 scales (V3.2's `scale_fmt`), full contexts, bf16, logits "
+               "backend auto, `num_blocks` set; a full "
                "bucket (no padding requests) except the row with B - 1 live requests; host µs "
                "per step of 20 steps back to back, no sync; eager top-k overlap: slots both "
                "runs select (their bf16 projections round differently: inductor fuses them); "
