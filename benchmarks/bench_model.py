@@ -43,7 +43,8 @@ def bench(batch: int, length: int, share: dsa.IndexShare) -> list[object]:
     blocks = batch * length // 64
     cfg = dsa.IndexerConfig(max_num_reqs=batch, max_num_batched_tokens=batch,
                             max_model_len=length, num_heads=V32.num_heads,
-                            head_dim=V32.head_dim, topk=V32.topk, num_blocks=blocks)
+                            head_dim=V32.head_dim, topk=V32.topk,
+                            ue8m0_scales=V32.ue8m0_scales, num_blocks=blocks)
     model = Model(cfg, V32, share, device="cuda", dtype=torch.bfloat16)
     cache = random_cache(blocks)
     for layer in model.layers:

@@ -39,12 +39,13 @@ class Sizes:
     topk: int
     rope_dim: int
     latent_dim: int  # width of the stand-in attention's latent cache (MLA's is 576)
+    ue8m0_scales: bool  # q and k quantised with power-of-two scales (V3.2's scale_fmt)
 
 
 TOY = Sizes(hidden=128, q_lora_rank=64, num_heads=16, head_dim=64, topk=32, rope_dim=32,
-            latent_dim=16)
+            latent_dim=16, ue8m0_scales=False)
 V32 = Sizes(hidden=7168, q_lora_rank=1536, num_heads=64, head_dim=128, topk=2048, rope_dim=64,
-            latent_dim=16)
+            latent_dim=16, ue8m0_scales=True)
 
 
 class DecoderLayer(nn.Module):
@@ -130,6 +131,7 @@ def main() -> None:
         max_num_reqs=capture_size, next_n=args.next_n, max_model_len=max_model_len,
         max_num_batched_tokens=max(sum(prompt_lens), capture_size * args.next_n),
         num_heads=sizes.num_heads, head_dim=sizes.head_dim, topk=sizes.topk,
+        ue8m0_scales=sizes.ue8m0_scales,
         num_blocks=len(prompt_lens) * max_model_len // 64,  # the engine's blocks, 64 tokens each
     )
     # The decode step's inputs, owned by the engine: one bucket of capture_size requests.
