@@ -101,8 +101,8 @@ def main() -> None:
         command=f"python benchmarks/bench_model.py{shapes_flag(args.shapes)} --freqs "
         + " ".join(map(str, args.freqs)) + f" --layers {args.layers}",
         notes=(f"DeepSeek V3.2 sizes (hidden {V32.hidden}, q_lora_rank {V32.q_lora_rank}, "
-               f"H={V32.num_heads}, D={V32.head_dim}, top-k {V32.topk}), next_n 1, full "
-               "contexts, bf16, logits backend auto; metadata built once per step; full "
+               f"H={V32.num_heads}, D={V32.head_dim}, top-k {V32.topk}, ue8m0 scales), next_n 1, "
+               "full contexts, bf16, logits backend auto; metadata built once per step; full "
                "layers: IndexShare.every(layers, index_topk_freq) (offset 2); each layer's "
                f"stand-in attention gathers its {V32.latent_dim}-wide latent rows at the "
                "selected slots; device time of one graph replay; held: GPU memory after "
