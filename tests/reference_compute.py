@@ -200,7 +200,7 @@ def read_cache(cache: np.ndarray, block_size: int, head_dim: int
 
 def gather(cache: np.ndarray, block_size: int, head_dim: int, block_table: np.ndarray,
            cu_seq_lens: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """(codes uint8 [num_rows, D], scales float64 [num_rows]) of design §5's K gather; rows
+    """(codes uint8 [num_rows, D], scales float64 [num_rows]) of design §2's K gather; rows
     of no request or with an invalid block are zero."""
     codes, scales = read_cache(cache, block_size, head_dim)
     out_codes = np.zeros((num_rows, head_dim), dtype=np.uint8)

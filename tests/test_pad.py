@@ -75,7 +75,7 @@ def live_example(table: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("face", FACE_NAMES)
 def test_pad_batch_design_example(face):
-    """design §9: int32 positions and a row-strided table pad like the contiguous case."""
+    """design §9's example, its table rows strided (the padding is the same)."""
     got = pad_into(face, live_example(strided_rows(i32([[4, 5], [6, 7], [8, 9]]))),
                    buffers(5, 8, 3))
     assert got == [[0, 2, 3, 5, 5, 5], [10, 7, 12, 0, 0],

@@ -1,4 +1,4 @@
-"""Block-scaled fp8 weights, as DeepSeek ships its linear layers (design §2, "Projections").
+"""Block-scaled fp8 weights, as DeepSeek ships its linear layers (design §2, "fp8 weights").
 
 A weight ``[rows, cols]`` is stored as fp8 e4m3 codes with one fp32 scale per
 ``BLOCK x BLOCK`` block (the checkpoint's ``weight_scale_inv``, ``[ceil(rows / BLOCK),
