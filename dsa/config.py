@@ -38,7 +38,8 @@ class IndexerConfig:
         compress_ratio: tokens per compressed state R (DeepSeek V4); 1 = no compression.
         dcp_world, dcp_rank, dcp_interleave: decode context parallelism (interleave 1 only).
         kpool: slots of the GLM kpool tail cache per request; ``None`` = no tail cache.
-        kv_cache_dtype: "fp8" (SM90 layout) or "mxfp4" (Blackwell sm_10x only).
+        kv_cache_dtype: "fp8" (SM90 layout); "mxfp4" (Blackwell sm_10x) is planned: rejected
+            off sm_10x, NotImplementedError on it.
         ue8m0_scales: round quantisation scales up to powers of two.
         logits_backend: "auto" (dsa's Triton kernel where the H200 measured it faster, as
             ``paged.AUTO_TRITON_MAX_KEYS``, else DeepGEMM where it can run, else Triton),
