@@ -60,6 +60,7 @@ from dsa.ops.topk.select import (
 
 MAX_POSITION = 2**31 - 1
 NO_ENTRY = -(2**63)  # sorts after every entry
+MERGE_WARPS = 8  # the merge kernels' warps
 
 
 def _check_logits(op: str, logits: Tensor) -> None:
@@ -146,16 +147,11 @@ def _sort_rows_kernel(idx_ptr, score_ptr, k, KP: tl.constexpr):
     tl.store(score_ptr + out + j, score, mask=j < k)
 
 
-def launch_topk_scored(logits: Tensor, lengths: Tensor, k: int, sorted: bool = True, *,
-                       indices: Tensor | None = None, scores: Tensor | None = None
-                       ) -> tuple[Tensor, Tensor]:
+def launch_topk_scored(logits: Tensor, lengths: Tensor, k: int, sorted: bool, indices: Tensor,
+                       scores: Tensor) -> tuple[Tensor, Tensor]:
     """Runs the Triton ``topk_scored`` (arguments already validated) into ``indices`` and
     ``scores`` and returns them."""
     rows = logits.shape[0]
-    if indices is None:
-        indices = logits.new_empty((rows, k), dtype=torch.int32)
-    if scores is None:
-        scores = logits.new_empty((rows, k), dtype=torch.float32)
     if rows == 0:
         return indices, scores
     launch_topk(logits, lengths, k, out=indices, scores=scores, lowest=True)
@@ -169,7 +165,7 @@ def launch_topk_scored(logits: Tensor, lengths: Tensor, k: int, sorted: bool = T
 def _topk_scored_cuda(logits: Tensor, lengths: Tensor, k: int, sorted: bool = True
                       ) -> tuple[Tensor, Tensor]:
     indices, scores = _topk_scored_out(logits, lengths, k, sorted)
-    return launch_topk_scored(logits, lengths, k, sorted, indices=indices, scores=scores)
+    return launch_topk_scored(logits, lengths, k, sorted, indices, scores)
 
 
 # --- dcp_merge_topk ----------------------------------------------------------------------
@@ -260,18 +256,11 @@ def _dcp_select_kernel(score_ptr, idx_ptr, out_idx_ptr, out_score_ptr, s_rank, s
     tl.store(out_score_ptr + out + j, tl.full([KP], float("-inf"), tl.float32), mask=pad)
 
 
-def launch_dcp_merge(scores: Tensor, indices: Tensor, sorted: bool = True, *,
-                     out_indices: Tensor | None = None, out_scores: Tensor | None = None,
-                     search: str = TUNING.search, num_warps: int = 8
-                     ) -> tuple[Tensor, Tensor]:
+def launch_dcp_merge(scores: Tensor, indices: Tensor, sorted: bool, out_indices: Tensor,
+                     out_scores: Tensor) -> tuple[Tensor, Tensor]:
     """Runs the Triton ``dcp_merge_topk`` (arguments already validated) into ``out_indices``
-    and ``out_scores`` and returns them. search: the unsorted merge's search
-    (``Tuning.search``); num_warps: the unsorted merge's."""
+    and ``out_scores`` and returns them; the unsorted merge searches as ``Tuning.search``."""
     world, tokens, k = scores.shape
-    if out_indices is None:
-        out_indices = indices.new_empty((tokens, k))
-    if out_scores is None:
-        out_scores = scores.new_empty((tokens, k))
     if tokens == 0 or world == 0:
         out_indices.fill_(-1)
         out_scores.fill_(float("-inf"))
@@ -281,12 +270,12 @@ def launch_dcp_merge(scores: Tensor, indices: Tensor, sorted: bool = True, *,
     np_ = triton.next_power_of_2(n)
     if sorted:
         launch(_dcp_merge_kernel, (tokens,), scores, indices, out_indices, out_scores,
-               *strides, k, n, NP=np_, num_warps=8)
+               *strides, k, n, NP=np_, num_warps=MERGE_WARPS)
     else:
-        radix, pivots = SEARCHES[search]
+        radix, pivots = SEARCHES[TUNING.search]
         launch(_dcp_select_kernel, (tokens,), scores, indices, out_indices, out_scores,
-               *strides, k, n, NP=np_, C=min(np_, 128 * num_warps),
-               KP=triton.next_power_of_2(k), RADIX=radix, PIVOTS=pivots, num_warps=num_warps)
+               *strides, k, n, NP=np_, C=min(np_, 128 * MERGE_WARPS),
+               KP=triton.next_power_of_2(k), RADIX=radix, PIVOTS=pivots, num_warps=MERGE_WARPS)
     return out_indices, out_scores
 
 
@@ -294,5 +283,4 @@ def launch_dcp_merge(scores: Tensor, indices: Tensor, sorted: bool = True, *,
 def _dcp_merge_cuda(scores: Tensor, indices: Tensor, sorted: bool = True
                     ) -> tuple[Tensor, Tensor]:
     out_indices, out_scores = _dcp_merge_out(scores, indices, sorted)
-    return launch_dcp_merge(scores, indices, sorted, out_indices=out_indices,
-                            out_scores=out_scores)
+    return launch_dcp_merge(scores, indices, sorted, out_indices, out_scores)
