@@ -224,7 +224,7 @@ def table_row(batch: int, context: int, next_n: int, bandwidth: float, flops: fl
         dg_us = cold_us(functools.partial(torch.ops.dsa.paged_mqa_logits_deepgemm, *inputs,
                                           context, schedule))
     auto = paged_backend("auto", device, HEADS, HEAD_DIM, BLOCK_SIZE, next_n, batch, context)
-    config = paged_logits_config(batch, next_n, HEADS, context)
+    config = paged_logits_config(batch, next_n, context)
     row = [batch, context, next_n, f"{working_set / 2**20:.0f}",
            "cold" if working_set <= L2_BYTES else "over L2", f"{floor_us:.1f}",
            f"{compute_us:.1f}", f"{triton_us:.1f}", f"{k_bytes / triton_us / 1e3:.0f}",
@@ -324,7 +324,7 @@ def bench_shape(shape, configs, device, top, bandwidth):
     run = functools.partial(paged_logits_triton, *inputs, context)
     times = sorted(((graph_us(functools.partial(run, config=c), replays=REPLAYS), c)
                     for c in configs), key=lambda tc: tc[0])
-    default = paged_logits_config(batch, next_n, HEADS, context)
+    default = paged_logits_config(batch, next_n, context)
     default_us = graph_us(functools.partial(run, config=default), replays=REPLAYS)
     dg_us = float("nan")
     if deepgemm.deepgemm_paged_supported(device, HEADS, HEAD_DIM, BLOCK_SIZE, next_n):

@@ -264,16 +264,15 @@ def test_paged_chooser_auto_rule(monkeypatch):
 
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4, 5])
 def test_paged_default_config_by_next_n(next_n):
-    config = paged.paged_logits_config(64, next_n, 64, 65536)
+    config = paged.paged_logits_config(64, next_n, 65536)
     launch = paged.PAGED_LAUNCH[min(next_n, 4)]
     fields = paged.PagedLaunch._fields[1:]
-    assert tuple(getattr(config, f) for f in fields) == launch._replace(
-        split_rows=launch.split_rows and next_n <= paged.SPLIT_ROWS_MAX_NEXT_N)[1:]
+    assert tuple(getattr(config, f) for f in fields) == launch[1:]
     # 65536 tiles of 64 keys: most_tiles a program (512 programs would take 128 each)
     assert (config.tile, config.tiles_per_program) == (64, launch.most_tiles)
-    assert paged.paged_logits_config(64, next_n, 64, 16384).tiles_per_program == min(
+    assert paged.paged_logits_config(64, next_n, 16384).tiles_per_program == min(
         launch.most_tiles, 32)
-    assert paged.paged_logits_config(1, next_n, 64, 4096).tiles_per_program == 1
+    assert paged.paged_logits_config(1, next_n, 4096).tiles_per_program == 1
 
 
 def test_paged_split_rows_takes_at_most_four_rows():

@@ -281,7 +281,7 @@ def test_triton_paged_logits_tma_and_direct_stores_bitwise(next_n):
     """K tiles copied by TMA or per thread, logits stored from the MMA's layout or through
     shared memory: the same bits, the default launch and another tile."""
     case = Decode(11, 6, next_n, 5000)
-    for base in (paged_logits_config(6, next_n, HEADS, case.max_len),
+    for base in (paged_logits_config(6, next_n, case.max_len),
                  PagedLogitsConfig(tile=32, tiles_per_program=4, split_rows=next_n > 1)):
         want = paged_logits_triton(*case.inputs, case.max_len, config=dataclasses.replace(
             base, tma=False, direct_store=False))

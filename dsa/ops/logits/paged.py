@@ -123,8 +123,7 @@ SPLIT_ROWS_MAX_NEXT_N = 4
 PRELOAD_MAX_TILES = 32
 
 
-def paged_logits_config(batch: int, next_n: int, num_heads: int,
-                        max_context_len: int) -> PagedLogitsConfig:
+def paged_logits_config(batch: int, next_n: int, max_context_len: int) -> PagedLogitsConfig:
     """Default launch parameters for a shape: 64-token tiles (one cache block of 64 per
     tile), about 512 programs or more, each taking at most ``most_tiles`` tiles of its
     request's context (so one long request still spreads over every SM), and the MMA shape,
@@ -135,7 +134,6 @@ def paged_logits_config(batch: int, next_n: int, num_heads: int,
     launch = PAGED_LAUNCH[min(max(next_n, 1), 4)]
     fields = launch._asdict()
     most = fields.pop("most_tiles")
-    fields["split_rows"] &= next_n <= SPLIT_ROWS_MAX_NEXT_N
     return PagedLogitsConfig(tile=tile, tiles_per_program=max(1, min(most, tiles // 512)),
                              **fields)
 
@@ -418,7 +416,7 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
     if out.numel() == 0:
         return out
     if config is None:
-        config = paged_logits_config(batch, next_n, num_heads, max_context_len)
+        config = paged_logits_config(batch, next_n, max_context_len)
     if (config.tile < 16 or config.tile & (config.tile - 1) or config.tiles_per_program < 1
             or (config.split_rows and next_n > SPLIT_ROWS_MAX_NEXT_N)):
         raise ValueError(f"dsa.paged_mqa_logits: bad Triton launch config {config} for "
