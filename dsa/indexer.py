@@ -67,10 +67,11 @@ class Indexer(nn.Module):
     ``wq_b`` on the q latent and ``wk`` + LayerNorm on the hidden state give q ``[T, H, D]``
     and k ``[T, D]``; RoPE rotates their first ``rope_dim`` dims (NeoX halves, DeepSeek's; or
     with ``rope_interleaved`` pairs ``2i, 2i + 1``, GLM-5's), an optional Hadamard rotation
-    mixes all D, then q is quantised per (token, head) and k is written to the fp8
-    paged cache (a buffer of this module): one fused op each for q and k (design §2). As in
-    DeepSeek's reference, ``k_norm`` and ``weights_proj`` (which gives the head weights) keep
-    fp32 parameters and compute in fp32.
+    mixes all D, then q is quantised per (token, head) and k is written to the fp8 paged
+    cache (a buffer of this module): up to ``KERNEL_TOKENS`` (512) tokens one op from the
+    hidden state (``project_quantize_and_cache_k``), more the projections as torch ops and
+    one fused op each for q and k (design §2). As in DeepSeek's reference, ``k_norm`` and
+    ``weights_proj`` (which gives the head weights) keep fp32 parameters and compute in fp32.
     ``rope_scaling``: YaRN for the RoPE table, ``None`` for plain RoPE.
 
     DCP (``cfg.dcp_world > 1``): the cache holds this rank's shard. With ``dcp_group`` (the

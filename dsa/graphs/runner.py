@@ -46,9 +46,9 @@ class DecodeGraphRunner:
     Every bucket reads a prefix of one set of input buffers (``buffers``): its first
     ``bucket`` requests and ``bucket * cfg.next_n`` tokens. Three ways to replay, cheapest
     first: write the step's batch into ``static_batch(bucket)`` in place and call
-    ``replay_in_place(bucket)``; ``load`` a live batch (one padding launch, one copy of
-    all token inputs) then ``replay_in_place``; or ``replay`` (load, replay, and copies of the
-    live rows of the outputs).
+    ``replay_in_place(bucket)``; ``load`` a live batch (one padding launch, which also
+    copies up to two token inputs; one copy of the others) then ``replay_in_place``; or
+    ``replay`` (load, replay, and copies of the live rows of the outputs).
 
     The step may return any pytree of tensors, ``dsa``'s dataclasses included
     (``IndexerOutput``, ``DecodeMetadata``); see ``live_outputs``.
@@ -120,8 +120,8 @@ class DecodeGraphRunner:
 
     def load(self, live: Batch, **token_inputs: Tensor) -> int:
         """Pads ``live`` (and its token inputs) into its bucket's static batch with one
-        launch (``dsa::pad_batch_out``) and one copy of all inputs (``StaticBatch.load``);
-        returns the bucket."""
+        launch (``dsa::pad_batch_out``, which also copies up to two token inputs on CUDA)
+        and one copy of the other inputs (``StaticBatch.load``); returns the bucket."""
         size = self.bucket(live.num_reqs)
         self._static[size].load(live, **token_inputs)
         return size

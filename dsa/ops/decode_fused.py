@@ -106,7 +106,7 @@ def _decode_metadata_out(
     dcp_rank: int, dcp_interleave: int, num_blocks: int, block_size: int,
     max_context_len: int, max_model_len: int, deepgemm: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``(global_lens, context_lens, block_table, token_requests, valid_tokens,
+    """Returns ``(global_context_lens, context_lens, block_table, token_requests, valid_tokens,
     slot_mapping, select_lens, schedule_lens, schedule)``: lengths int32 ``[B, next_n]``
     (native) or ``[T, 1]`` (flat), the block table per logits row, int32 ``[T]``, bool
     ``[T]``, int64 ``[T]``, lengths like ``context_lens`` (``schedule_lens``: ``[0, N]``
