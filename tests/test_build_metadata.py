@@ -154,6 +154,20 @@ def test_decode_metadata_coarsens_kernel_block_table():
     assert meta.slot_mapping.tolist() == [2 * 64 + 1, -1]  # pos 7 -> state 1 of block 2
 
 
+def test_decode_metadata_takes_a_one_column_table_of_any_stride():
+    """A table one block wide has no column stride to honour: a column sliced out of a wider
+    table builds what the contiguous one does (as every op taking a table accepts it)."""
+    cfg = dsa.IndexerConfig(max_num_reqs=2, max_num_batched_tokens=2, max_model_len=64,
+                            block_size=64)
+    wide = torch.tensor([[3, 9], [5, 9]], dtype=torch.int32)
+    metas = [build_decode_metadata(cfg, Batch(
+        torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([10, 20], dtype=torch.int32),
+        table, torch.tensor([3 * 64 + 9, 5 * 64 + 19]), torch.tensor([9, 19])))
+        for table in (wide[:, ::2], wide[:, :1].contiguous())]
+    for field in ("slot_mapping", "context_lens", "block_table", "request_block_table"):
+        assert torch.equal(getattr(metas[0], field), getattr(metas[1], field)), field
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -12,6 +12,7 @@ from dsa.config import IndexerConfig
 from dsa.ops._checks import (
     INDEX_DTYPES,
     POSITION_DTYPES,
+    check_block_table,
     check_size,
     check_tensor,
     values_readable,
@@ -62,18 +63,13 @@ def check_batch(op: str, cfg: IndexerConfig, batch: Batch) -> None:
     check_tensor(op, "seq_lens", batch.seq_lens, dtype=INDEX_DTYPES, ndim=1, contiguous=True,
                  like=qsl)
     check_size(op, "seq_lens", batch.seq_lens, 0, num_reqs, "len(query_start_loc) - 1")
-    table = check_tensor(op, "block_table", batch.block_table, dtype=INDEX_DTYPES, ndim=2,
-                         like=qsl)
-    check_size(op, "block_table", table, 0, num_reqs, "len(query_start_loc) - 1")
-    if table.stride(1) != 1:
-        raise ValueError(f"dsa.{op}: `block_table` rows must be contiguous (stride(1) == 1), "
-                         f"got strides {table.stride()}")
+    _, width = check_block_table(op, batch.block_table, qsl, num_reqs)
     needed = cfg.table_factor * -(-cfg.max_blocks_per_req // cfg.dcp_world)
-    if table.shape[1] < needed:
+    if width < needed:
         raise ValueError(
             f"dsa.{op}: `block_table` must have at least {needed} columns to cover "
             f"max_model_len={cfg.max_model_len} (block_size={cfg.block_size}, compress_ratio="
-            f"{cfg.compress_ratio}, dcp_world={cfg.dcp_world}), got shape {tuple(table.shape)}"
+            f"{cfg.compress_ratio}, dcp_world={cfg.dcp_world}), got width {width}"
         )
     slots = check_tensor(op, "slot_mapping", batch.slot_mapping, dtype=torch.int64, ndim=1,
                          contiguous=True, like=qsl)
