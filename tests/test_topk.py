@@ -9,6 +9,8 @@ hold junk (NaN, +inf, huge values) that must never be selected.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import reference_compute as ref
@@ -22,10 +24,10 @@ from test_slots import slots_case
 from dsa.ops import FACES
 from dsa.ops.topk.indices import (
     SEARCHES,
+    TUNING,
     SlotArgs,
     _regs,
     choose_block,
-    choose_parts,
     choose_sample_groups,
     choose_select_cap,
     choose_select_warps,
@@ -361,18 +363,19 @@ def test_choose_sample_groups():
 
 
 def test_choose_select_cap():
-    assert choose_select_cap(4096, 2048) == 4096
-    assert choose_select_cap(5000, 2048) == 8192
-    assert choose_select_cap(65536, 2048) == 4096
-    assert choose_select_cap(100, 8) == 128
-    assert choose_select_cap(1 << 20, 1 << 15) == 1 << 15
+    assert choose_select_cap(4096, 2048, row_cols=TUNING.row_cols) == 4096
+    assert choose_select_cap(5000, 2048, row_cols=TUNING.row_cols) == 8192
+    assert choose_select_cap(65536, 2048, row_cols=TUNING.row_cols) == 4096
+    assert choose_select_cap(100, 8, row_cols=TUNING.row_cols) == 128
+    assert choose_select_cap(1 << 20, 1 << 15, row_cols=TUNING.row_cols) == 1 << 15
 
 
 def test_choose_select_warps():
-    assert choose_select_warps(256, 8192, 8192) == 4
-    assert choose_select_warps(64, 8192, 8192) == 8
-    assert choose_select_warps(256, 65536, 4096) == 8
-    assert choose_select_warps(4096, 32768, 4096) == 4  # prefill: a GPU full of rows
+    warps = {"many_rows": TUNING.many_rows, "scale_rows": TUNING.scale_rows}
+    assert choose_select_warps(256, 8192, 8192, **warps) == 4
+    assert choose_select_warps(64, 8192, 8192, **warps) == 8
+    assert choose_select_warps(256, 65536, 4096, **warps) == 8
+    assert choose_select_warps(4096, 32768, 4096, **warps) == 4  # prefill: a GPU full of rows
 
 
 def test_register_caps_apply_to_many_rows():
@@ -453,15 +456,15 @@ def test_empty(face):
 
 
 def test_choose_parts():
-    assert choose_parts(1, 4096) == 1
-    assert choose_parts(1, 65536) == 16
-    assert choose_parts(1, 1 << 20) == 16
-    assert choose_parts(64, 65536) == 4
-    assert choose_parts(8, 65536) == 16
-    assert choose_parts(16, 65536) == 8  # 16 parts a row only within 128 programs
-    assert choose_parts(16, 65536, max_parts_programs=256) == 16
-    assert choose_parts(256, 8192) == 1
-    assert choose_parts(0, 0) == 1
+    assert TUNING.parts(1, 4096) == 1
+    assert TUNING.parts(1, 65536) == 16
+    assert TUNING.parts(1, 1 << 20) == 16
+    assert TUNING.parts(64, 65536) == 4
+    assert TUNING.parts(8, 65536) == 16
+    assert TUNING.parts(16, 65536) == 8  # 16 parts a row only within 128 programs
+    assert replace(TUNING, max_parts_programs=256).parts(16, 65536) == 16
+    assert TUNING.parts(256, 8192) == 1
+    assert TUNING.parts(0, 0) == 1
 
 
 # --- opcheck and validation ----------------------------------------------------------------

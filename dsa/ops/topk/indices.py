@@ -352,9 +352,8 @@ def _select_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, co
 # --- launch ------------------------------------------------------------------------------
 
 
-def choose_parts(rows: int, n_cols: int, *, target_programs: int = 256,
-                 min_part_cols: int = 4096, max_parts: int = 16,
-                 max_parts_programs: int = 128) -> int:
+def choose_parts(rows: int, n_cols: int, *, target_programs: int, min_part_cols: int,
+                 max_parts: int, max_parts_programs: int) -> int:
     """Programs per row of the candidates pass: enough to fill the GPU, each streaming >=
     ``min_part_cols``; ``max_parts`` a row only within ``max_parts_programs`` programs (the
     select kernel reads a row's candidates from that many regions)."""
@@ -373,7 +372,7 @@ def choose_block(parts: int) -> int:
     return 2048 if parts == 1 else 4096
 
 
-def choose_select_cap(n_cols: int, k: int, *, row_cols: int = 8192) -> int:
+def choose_select_cap(n_cols: int, k: int, *, row_cols: int) -> int:
     """Candidates held in registers by the select kernel: the whole row when ``n_cols <=
     row_cols`` (no candidates pass), else room for about twice k."""
     if n_cols <= row_cols:
@@ -395,8 +394,8 @@ def choose_sample_groups(n_cols: int, k: int, *, groups: int, width: int, expect
     return max(groups, min(enough, MAX_SELECT_CAP // width))
 
 
-def choose_select_warps(rows: int, n_cols: int, select_cap: int, *, many_rows: int = 128,
-                        scale_rows: int = 1024) -> int:
+def choose_select_warps(rows: int, n_cols: int, select_cap: int, *, many_rows: int,
+                        scale_rows: int) -> int:
     """Warps of the select kernel: 4 when it reads many whole rows, or with at least
     ``scale_rows`` rows (more programs per SM), else 8 (shorter reductions for the few)."""
     return 4 if (n_cols <= select_cap and rows >= many_rows) or rows >= scale_rows else 8
