@@ -32,6 +32,7 @@ from dsa.ops._registry import dsa_op
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
+_FP8_MAX, _AMAX_FLOOR = tl.constexpr(FP8_MAX), tl.constexpr(AMAX_FLOOR)  # in the kernels
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -86,7 +87,7 @@ def nan_to_num(x):
 @triton.jit
 def fp8_scale_of(amax, UE8M0: tl.constexpr):
     """fp32 scale of rows with fp32 maxima ``amax`` (see the module docstring)."""
-    scale = tl.div_rn(tl.maximum(amax, 1e-4), 448.0)
+    scale = tl.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
     if UE8M0:
         bits = scale.to(tl.int32, bitcast=True)
         exponent = bits & 0x7F800000
@@ -109,7 +110,7 @@ def fp8_e4m3_bits(x):
     """uint8 e4m3fn codes of finite fp32 ``x``: round to nearest even, saturate at ±448."""
     if not _INTERPRETED and tl.target_info.cuda_capability_geq(9):
         return x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-    a = tl.minimum(tl.abs(x), 448.0)
+    a = tl.minimum(tl.abs(x), _FP8_MAX)
     # Normal range (a >= 2**-6): round the fp32 mantissa to 3 bits (ties to even; a carry
     # moves into the exponent), then rebias the exponent from 127 to 7.
     bits = a.to(tl.int32, bitcast=True)
