@@ -17,7 +17,7 @@ from dsa.ops._checks import (
     check_tensor,
     values_readable,
 )
-from dsa.ops.decode_meta import valid_tokens
+from dsa.ops._tokens import valid_tokens
 
 ops = torch.ops.dsa
 

@@ -2,7 +2,8 @@
 
 Tokens are flattened token-major (requests concatenated, ``query_start_loc`` delimits them).
 Token ``t`` belongs to the largest ``r`` with ``query_start_loc[r] <= t``; ``r == num_reqs``
-marks a token past the real ones (graph padding). No host sync, no data-dependent sizes.
+marks a token past the real ones (graph padding); a *valid* token is a real one at a
+position in ``[0, max_model_len)`` (design §9). No host sync, no data-dependent sizes.
 """
 
 from __future__ import annotations
@@ -79,3 +80,16 @@ def token_offset(qsl_ptr, t, in_range, num_reqs, SEARCH_STEPS: tl.constexpr,
     real = in_range & (req < num_reqs)
     end = tl.load(qsl_ptr + req + 1, mask=real, other=0)
     return req, real, t - end
+
+
+def valid_tokens(requests: Tensor, positions: Tensor, num_reqs: int,
+                 max_model_len: int) -> Tensor:
+    """Torch: bool, a real token (request < ``num_reqs``) at a position in
+    ``[0, max_model_len)``."""
+    return (requests < num_reqs) & (positions >= 0) & (positions < max_model_len)
+
+
+@triton.jit
+def valid_tokens_tl(requests, positions, num_reqs, max_model_len):
+    """Triton: same as ``valid_tokens``."""
+    return (requests < num_reqs) & (positions >= 0) & (positions < max_model_len)

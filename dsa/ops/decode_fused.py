@@ -42,7 +42,13 @@ from dsa.ops._checks import (
 )
 from dsa.ops._launch import block_for, pdl_enabled
 from dsa.ops._registry import dsa_op
-from dsa.ops._tokens import lookup_requests, request_of, search_steps
+from dsa.ops._tokens import (
+    lookup_requests,
+    request_of,
+    search_steps,
+    valid_tokens,
+    valid_tokens_tl,
+)
 from dsa.ops.dcp import local_share, local_share_tl
 from dsa.ops.decode_meta import (
     capped_lens,
@@ -56,8 +62,6 @@ from dsa.ops.decode_meta import (
     table_scan_block,
     token_lens,
     token_lens_tl,
-    valid_tokens,
-    valid_tokens_tl,
 )
 from dsa.ops.logits import deepgemm as deepgemm_backend
 from dsa.ops.logits.schedule import schedule_of_clamped

@@ -228,19 +228,6 @@ def row_requests_tl(qsl_ptr, t, num_reqs, SEARCH_STEPS: tl.constexpr, REQS: tl.c
     return tl.where(req < num_reqs, req, num_reqs + t - total)
 
 
-def valid_tokens(requests: Tensor, positions: Tensor, num_reqs: int,
-                 max_model_len: int) -> Tensor:
-    """Torch: bool, a real token (request < ``num_reqs``) at a position in
-    ``[0, max_model_len)``."""
-    return (requests < num_reqs) & (positions >= 0) & (positions < max_model_len)
-
-
-@triton.jit
-def valid_tokens_tl(requests, positions, num_reqs, max_model_len):
-    """Triton: same as ``valid_tokens``."""
-    return (requests < num_reqs) & (positions >= 0) & (positions < max_model_len)
-
-
 @_decode_row_requests_out.cpu
 def _decode_row_requests_cpu(query_start_loc: Tensor, num_tokens: int) -> Tensor:
     out = _decode_row_requests_out(query_start_loc, num_tokens)
