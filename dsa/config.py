@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsa.ops.logits.common import LOGITS_BACKENDS
+from dsa.ops.logits.deepgemm import PAGED_NEXT_N as DEEPGEMM_NEXT_N
+
 KV_CACHE_DTYPES = ("fp8", "mxfp4")
-LOGITS_BACKENDS = ("auto", "triton", "deepgemm")
 DECODE_LAYOUTS = ("auto", "native", "flat")
 # next_n values "auto" lays out natively: dsa's kernel (Triton, plain torch) takes any next_n
-# and is sized for 1..4 (at most 256 q rows of 64 heads); DeepGEMM's SM90 kernel takes 1..2.
+# and is sized for 1..4 (at most 256 q rows of 64 heads); DeepGEMM's SM90 kernel takes 1..2
+# (DEEPGEMM_NEXT_N).
 NATIVE_NEXT_N = (1, 2, 3, 4)
-DEEPGEMM_NEXT_N = (1, 2)
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsa.config import LOGITS_BACKENDS
 from dsa.ops._checks import check_choice
 
 LOGITS_ALIGN = 256
+LOGITS_BACKENDS = ("auto", "triton", "deepgemm")
 
 
 def alloc_logits(rows: int, cols: int, device: torch.device) -> Tensor:

@@ -23,12 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dsa.config import DEEPGEMM_NEXT_N
-
 PAGED_HEADS = (32, 64)
 PAGED_HEAD_DIMS = (32, 64, 128)
 PAGED_BLOCK_SIZE = 64
-PAGED_NEXT_N = DEEPGEMM_NEXT_N
+PAGED_NEXT_N = (1, 2)  # its SM90 kernel's native rows a request
 
 
 @functools.cache
