@@ -369,3 +369,26 @@ def test_auto_backend_compiles_without_deep_gemm(monkeypatch, next_n):
 
     torch._dynamo.reset()
     assert torch.equal(torch.compile(step, fullgraph=True)(torch.zeros(2)), torch.ones(2))
+
+
+def test_dynamic_shapes_raise_a_clear_error():
+    """A dynamic-shape trace (dynamic=True, or torch.compile's recompile after a new capacity)
+    fails at the first op given a symbolic size, saying what to do."""
+    torch._dynamo.reset()
+    cfg = dsa.IndexerConfig(max_num_reqs=4, max_num_batched_tokens=8, max_model_len=256)
+    build = torch.compile(lambda batch: build_decode_metadata(cfg, batch), fullgraph=True,
+                          dynamic=True)
+    batch = Batch(torch.tensor([0, 1, 2], dtype=torch.int32),
+                  torch.tensor([5, 6], dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32),
+                  torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(Exception, match=r"must be a static int, got a SymInt.*dynamic=False"):
+        build(batch)
+    torch._dynamo.reset()
+
+
+def test_int_arguments_reject_symbolic_sizes():
+    op = torch.compile(lambda qsl, n: torch.ops.dsa.decode_row_requests(qsl, n.shape[0]),
+                       fullgraph=True, dynamic=True)
+    with pytest.raises(Exception, match=r"`num_tokens` must be a static int.*dynamic=False"):
+        op(torch.tensor([0, 1, 2], dtype=torch.int32), torch.zeros(3))
+    torch._dynamo.reset()

@@ -11,6 +11,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+# What a symbolic size means to the user: dsa's outputs are sized by the batch's capacity.
+STATIC_SIZES = ("dsa's ops take static sizes (compile with dynamic=False: one graph per batch "
+                "capacity)")
+
 
 def check_tensor(
     op: str,
@@ -55,6 +59,8 @@ def check_size(op: str, name: str, t: Tensor, dim: int, expected: int, what: str
 
 def check_int(op: str, name: str, value: object, *, low: int | None = None) -> int:
     """Checks that ``value`` is an int (not a bool) and at least ``low``."""
+    if isinstance(value, torch.SymInt):
+        raise TypeError(f"dsa.{op}: `{name}` must be a static int, got a SymInt: {STATIC_SIZES}")
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"dsa.{op}: `{name}` must be an int, got {type(value).__name__}")
     if low is not None and value < low:
