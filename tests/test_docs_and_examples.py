@@ -23,11 +23,12 @@ def test_readme_snippet_runs(heading):
     exec(compile(readme_snippet(heading), "README.md", "exec"), {})
 
 
-def test_readme_export_snippet_runs():
-    """The "Export" snippet, after the tour it continues (AOTInductor: tests/test_export.py)."""
+@pytest.mark.parametrize("first_line", ["# Export", "# Prefill"])
+def test_readme_snippet_after_the_tour_runs(first_line):
+    """The snippets that continue the tour ("Export": AOTInductor in tests/test_export.py)."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-    export = next(b for b in blocks if b.startswith("# Export"))
-    exec(compile(blocks[0] + export, "README.md", "exec"), {})
+    snippet = next(b for b in blocks if b.startswith(first_line))
+    exec(compile(blocks[0] + snippet, "README.md", "exec"), {})
 
 
 @pytest.mark.parametrize("args", [["examples/decode.py", "--steps", "3", "--device", "cpu"],
