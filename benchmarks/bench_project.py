@@ -88,9 +88,9 @@ def bench_tokens(tokens: int, bandwidth: float) -> list[object]:
     weights_args = (hidden, q_latent, wq_b, wk, norm_weight, norm_bias, weights_proj)
     (wq_codes, wq_scale), (wk_codes, wk_scale) = fp8
     fp8_args = (hidden, q_latent, wq_codes, wk_codes, norm_weight, norm_bias, weights_proj)
-    compiled = {"torch": torch.compile(torch_prologue, fullgraph=True),
-                "op": torch.compile(op_prologue, fullgraph=True),
-                "fp8": torch.compile(op_prologue_fp8, fullgraph=True)}
+    compiled = {"torch": torch.compile(torch_prologue, fullgraph=True, dynamic=False),
+                "op": torch.compile(op_prologue, fullgraph=True, dynamic=False),
+                "fp8": torch.compile(op_prologue_fp8, fullgraph=True, dynamic=False)}
     calls = {name: (lambda fn=fn, name=name: fn(*weights_args, caches[name], slots, cos_sin,
                                                    positions))
              for name, fn in compiled.items() if name != "fp8"}

@@ -80,7 +80,7 @@ def main() -> None:
     hidden = torch.randn(2 * num_reqs, HIDDEN, generator=gen).to(device)
     q_latent = torch.randn(2 * num_reqs, Q_LORA_RANK, generator=gen).to(device)
 
-    @torch.compile(fullgraph=True)
+    @torch.compile(fullgraph=True, dynamic=False)
     def step(batch: dsa.Batch, hidden: torch.Tensor, q_latent: torch.Tensor):
         meta = dsa.build_decode_metadata(cfg, batch)  # this rank's local lengths
         return layer(hidden, q_latent, batch.positions, meta)
