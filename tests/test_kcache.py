@@ -10,6 +10,7 @@ import torch
 from faces import FACE_NAMES, HAS_CUDA, KERNEL_MARK, run_op
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dsa.ops.kcache import kcache_views
 
@@ -189,11 +190,18 @@ def test_cache_write_as_compiled_module_buffer():
          torch.zeros(2, dtype=torch.int32), TypeError, "`slot_mapping` must be torch.int64"),
         (torch.zeros(2, 8), torch.zeros(1, 4, 1, 12, dtype=torch.uint8),
          torch.zeros(3, dtype=torch.int64), ValueError, r"`slot_mapping` must have size 2"),
+        # a strided view: the kernel reads slots as contiguous (it wrote at the wrong slot)
+        (torch.zeros(2, 8), torch.zeros(1, 4, 1, 12, dtype=torch.uint8),
+         torch.zeros(4, dtype=torch.int64)[::2], ValueError, "`slot_mapping` must be contiguous"),
+        (torch.zeros(2, 8), torch.zeros(0, 4, 1, 12, dtype=torch.uint8),
+         torch.zeros(2, dtype=torch.int64), ValueError, "`kv_cache` must have at least one block"),
     ],
 )
 def test_cache_write_validation(k, cache, slots, error, match):
     with pytest.raises(error, match=match):
         torch.ops.dsa.quantize_and_cache_k(k, cache, slots)
+    with FakeTensorMode() as mode, pytest.raises(error, match=match):  # the fake face alike
+        torch.ops.dsa.quantize_and_cache_k(*(mode.from_tensor(t) for t in (k, cache, slots)))
 
 
 # --- gather_k -------------------------------------------------------------------------------

@@ -277,4 +277,10 @@ test_prologue_validation = validation_test([
      r"rope_hadamard_quantize_and_cache_k: `slot_mapping` must have size 2"),
     (K_OP, (torch.zeros(2, 8), _CACHE, _SLOTS, _CS, _POS[:1]), ValueError,
      r"`positions` must have size 2"),
+    (Q_OP, (_Q, _W, _CS, torch.zeros(4, dtype=torch.int64)[::2]), ValueError,
+     "`positions` must be contiguous"),
+    (K_OP, (torch.zeros(2, 8), _CACHE, torch.zeros(4, dtype=torch.int64)[::2], _CS, _POS),
+     ValueError, "`slot_mapping` must be contiguous"),
+    (K_OP, (torch.zeros(2, 8), _CACHE[:0], _SLOTS, _CS, _POS), ValueError,
+     "`kv_cache` must have at least one block"),
 ])

@@ -41,7 +41,8 @@ SCALE_BYTES = 4
 
 def check_kv_cache(op: str, kv_cache: object, *,
                    like: Tensor | None = None) -> tuple[int, int, int]:
-    """Validates a paged K cache; returns ``(num_blocks, block_size, head_dim)``."""
+    """Validates a paged K cache of at least one block; returns ``(num_blocks, block_size,
+    head_dim)``."""
     check_tensor(op, "kv_cache", kv_cache, dtype=torch.uint8, ndim=4, contiguous=True, like=like)
     num_blocks, block_size, heads, width = kv_cache.shape
     head_dim = width - SCALE_BYTES
@@ -50,6 +51,9 @@ def check_kv_cache(op: str, kv_cache: object, *,
             f"dsa.{op}: `kv_cache` must be uint8[num_blocks, block_size >= 1, 1, head_dim + 4] "
             f"with head_dim a positive multiple of 4, got shape {tuple(kv_cache.shape)}"
         )
+    if num_blocks < 1:
+        raise ValueError(f"dsa.{op}: `kv_cache` must have at least one block, got shape "
+                         f"{tuple(kv_cache.shape)}")
     return num_blocks, block_size, head_dim
 
 
@@ -88,7 +92,8 @@ def check_write_args(op: str, slot_mapping: Tensor, ue8m0: bool, *, like: Tensor
                      tokens: tuple[int, str]) -> None:
     """A K-cache write's int64 slots ``[T]`` on ``like``'s device and its scale format;
     ``tokens``: T, and what that count is."""
-    check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, like=like)
+    check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, contiguous=True,
+                 like=like)
     check_size(op, "slot_mapping", slot_mapping, 0, *tokens)
     if not isinstance(ue8m0, bool):
         raise TypeError(f"dsa.{op}: `ue8m0` must be a bool, got {type(ue8m0).__name__}")
@@ -209,10 +214,7 @@ def _quantize_and_cache_k_cuda(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor
 def _gather_k_out(kv_cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor,
                   num_rows: int) -> tuple[Tensor, Tensor]:
     op = "gather_k"
-    num_blocks, _, head_dim = check_kv_cache(op, kv_cache)
-    if num_blocks < 1:
-        raise ValueError(f"dsa.{op}: `kv_cache` must have at least one block, got shape "
-                         f"{tuple(kv_cache.shape)}")
+    _, _, head_dim = check_kv_cache(op, kv_cache)
     num_reqs, _ = check_block_table(op, block_table, kv_cache)
     check_tensor(op, "cu_seq_lens", cu_seq_lens, dtype=INDEX_DTYPES, ndim=1, contiguous=True,
                  like=kv_cache)

@@ -187,7 +187,7 @@ def _check(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor, norm_weig
         raise ValueError(f"dsa.{op}: `wk` must be [head_dim >= 1, hidden_size >= 1], got shape "
                          f"{tuple(wk.shape)}")
     for name, x in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
-        check_tensor(op, name, x, dtype=torch.float32, ndim=1, like=hidden)
+        check_tensor(op, name, x, dtype=torch.float32, ndim=1, contiguous=True, like=hidden)
         check_size(op, name, x, 0, head_dim, "head_dim = wk.shape[0]")
     if not isinstance(eps, float) or not eps > 0:
         raise ValueError(f"dsa.{op}: `eps` must be a positive float, got {eps!r}")

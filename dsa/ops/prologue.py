@@ -68,7 +68,8 @@ def check_rotation(op: str, cos_sin: Tensor, positions: Tensor, hadamard: bool, 
         raise ValueError(f"dsa.{op}: `cos_sin` must be [max_len >= 1, rope_dim] with rope_dim "
                          f"even and in (0, head_dim={head_dim}], got shape "
                          f"{tuple(cos_sin.shape)}")
-    check_tensor(op, "positions", positions, dtype=POSITION_DTYPES, ndim=1, like=like)
+    check_tensor(op, "positions", positions, dtype=POSITION_DTYPES, ndim=1, contiguous=True,
+                 like=like)
     check_size(op, "positions", positions, 0, *tokens)
     if hadamard and head_dim & (head_dim - 1):
         raise ValueError(f"dsa.{op}: the Hadamard rotation needs a power-of-two head_dim, got "

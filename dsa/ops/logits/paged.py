@@ -163,11 +163,8 @@ def _check_paged(op: str, q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
                  context_lens: Tensor, block_table: Tensor, max_context_len: int) -> None:
     check_tensor(op, "q_fp8", q_fp8, dtype=torch.float8_e4m3fn, ndim=4, contiguous=True)
     batch, next_n, num_heads, head_dim = q_fp8.shape
-    num_blocks, _, _ = check_kv_cache(op, kv_cache, like=q_fp8)
+    check_kv_cache(op, kv_cache, like=q_fp8)
     check_size(op, "kv_cache", kv_cache, 3, head_dim + 4, "head_dim + 4 = q_fp8.shape[3] + 4")
-    if num_blocks < 1:
-        raise ValueError(f"dsa.{op}: `kv_cache` must have at least one block, got shape "
-                         f"{tuple(kv_cache.shape)}")
     check_tensor(op, "weights", weights, dtype=torch.float32, ndim=2, like=q_fp8)
     check_size(op, "weights", weights, 0, batch * next_n, "batch * next_n of q_fp8")
     check_size(op, "weights", weights, 1, num_heads, "num_heads = q_fp8.shape[2]")
