@@ -74,9 +74,9 @@ test_opcheck = opcheck_test([(i32([3, -1, 10]), 2, 1, 1), (i32([[4], [0]]), 4, 3
 test_validation_errors = validation_test([
     ((i32([1]).long(), 2, 0, 1), TypeError, "`lens` must be torch.int32"),
     ((i32([1]).float(), 2, 0, 1), TypeError, "`lens` must be torch.int32"),
-    ((i32([1]), 0, 0, 1), ValueError, "`dcp_world` must be >= 1"),
-    ((i32([1]), 2, -1, 1), ValueError, "`dcp_rank` must be >= 0"),
-    ((i32([1]), 2, 2, 1), ValueError, "`dcp_rank` must be < dcp_world=2"),
-    ((i32([1]), 2, 0, 0), ValueError, "`dcp_interleave` must be >= 1"),
+    ((i32([1]), 0, 0, 1), ValueError, "`world` must be >= 1"),
+    ((i32([1]), 2, -1, 1), ValueError, "`rank` must be >= 0"),
+    ((i32([1]), 2, 2, 1), ValueError, "`rank` must be < world=2"),
+    ((i32([1]), 2, 0, 0), ValueError, "`interleave` must be >= 1"),
     ((i32([1]), 2, 0, 2), NotImplementedError, "interleave > 1 is not supported"),
 ], op="dcp_local_lens")

@@ -74,17 +74,18 @@ def check_choice(op: str, name: str, value: object, choices: Sequence[object]) -
         raise ValueError(f"dsa.{op}: `{name}` must be one of {list(choices)}, got {value!r}")
 
 
-def check_dcp(op: str, world: int, rank: int, interleave: int) -> None:
-    """Validates a decode-context-parallel (world, rank, interleave) triple."""
-    check_int(op, "dcp_world", world, low=1)
-    check_int(op, "dcp_rank", rank, low=0)
-    check_int(op, "dcp_interleave", interleave, low=1)
+def check_dcp(op: str, world: int, rank: int, interleave: int, prefix: str = "dcp_") -> None:
+    """Validates a decode-context-parallel (world, rank, interleave) triple, named in errors
+    as the op's arguments: ``prefix`` + world, rank, interleave."""
+    check_int(op, f"{prefix}world", world, low=1)
+    check_int(op, f"{prefix}rank", rank, low=0)
+    check_int(op, f"{prefix}interleave", interleave, low=1)
     if rank >= world:
-        raise ValueError(f"dsa.{op}: `dcp_rank` must be < dcp_world={world}, got {rank}")
+        raise ValueError(f"dsa.{op}: `{prefix}rank` must be < {prefix}world={world}, got {rank}")
     if world > 1 and interleave > 1:
         raise NotImplementedError(
             f"dsa.{op}: DCP interleave > 1 is not supported (validated only for interleave 1), "
-            f"got dcp_interleave={interleave}"
+            f"got {prefix}interleave={interleave}"
         )
 
 

@@ -60,7 +60,7 @@ def local_share_tl(n, world, rank, interleave):
 def _dcp_local_lens_out(lens: Tensor, world: int, rank: int, interleave: int) -> Tensor:
     op = "dcp_local_lens"
     check_tensor(op, "lens", lens, dtype=INDEX_DTYPES)
-    check_dcp(op, world, rank, interleave)
+    check_dcp(op, world, rank, interleave, prefix="")
     return lens.new_empty(lens.shape, dtype=torch.int32)
 
 
