@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from faces import FACE_NAMES, i32, run_op
 
 import dsa
 from dsa.ops.logits import deepgemm
@@ -243,3 +244,22 @@ def test_prefill_checks_device_block_ids_decode_does_not_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert meta.context_lens.view(-1).tolist() == [100, 64]
+
+
+# --- lengths at int32's edge -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_lengths_near_int32_min_count_no_keys(face):
+    """A garbage length of -2**31 gives no keys and writes no slot on every face: the
+    kernels compute in int64 where the torch faces do (int32 wrapped to a long length)."""
+    qsl, seq = i32([0, 2]), i32([-(2**31)])
+    assert run_op(face, "decode_token_lens", qsl, seq, 2).tolist() == [0, 0]
+    assert run_op(face, "native_decode_lens", seq, 2).tolist() == [[0, 0]]
+    fused = (qsl, seq, i32([[0, 1]]), torch.tensor([-1, -1]), torch.tensor([5, 6]), True, 2, 1,
+             1, 0, 1, 4, 4, 8, 16, False)
+    global_lens, context_lens = run_op(face, "decode_metadata", *fused)[:2]
+    assert global_lens.tolist() == [[0, 0]] and context_lens.tolist() == [[0, 0]]
+    compressed = (i32([0, 1, 2**31 - 1]), i32([0, -(2**31)]), i32([[0, 0], [0, 3]]), 3, 2, 2, 1,
+                  0, 1)
+    assert run_op(face, "compressed_slot_mapping", *compressed).tolist() == [-1, -1, -1]

@@ -61,10 +61,11 @@ def token_lens(query_start_loc: Tensor, seq_lens: Tensor, num_tokens: int) -> Te
 def token_lens_tl(qsl_ptr, seq_lens_ptr, t, in_range, num_reqs, SEARCH_STEPS: tl.constexpr,
                   REQS: tl.constexpr = 0):
     """Triton: same as ``token_lens`` for the tokens ``t``; also their requests and whether
-    they are real (REQS: see ``request_of``)."""
+    they are real (REQS: see ``request_of``). In int64, as the torch face: a length near
+    -2**31 must not wrap to a long one."""
     req, real, back = token_offset(qsl_ptr, t, in_range, num_reqs, SEARCH_STEPS, REQS)
-    seq = tl.load(seq_lens_ptr + req, mask=real, other=0)
-    return tl.where(real, tl.maximum(seq + back + 1, 0), 0), req, real
+    seq = tl.load(seq_lens_ptr + req, mask=real, other=0).to(tl.int64)
+    return tl.where(real, tl.maximum(seq + back + 1, 0), 0).to(tl.int32), req, real
 
 
 @_decode_token_lens_out.cpu
@@ -110,8 +111,9 @@ def native_lens(seq_lens: Tensor, next_n: int) -> Tensor:
 
 @triton.jit
 def native_lens_tl(seq, j, next_n):
-    """Triton: same as ``native_lens`` for slots ``j`` of requests of length ``seq``."""
-    return tl.maximum(seq - next_n + 1 + j, 0)
+    """Triton: same as ``native_lens`` for slots ``j`` of requests of length ``seq`` (int64
+    inside, as the torch face)."""
+    return tl.maximum(seq.to(tl.int64) - next_n + 1 + j, 0).to(tl.int32)
 
 
 @_native_decode_lens_out.cpu

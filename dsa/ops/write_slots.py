@@ -94,7 +94,7 @@ def _compressed_slot_mapping_kernel(
     in_range = t < num_tokens
     req, real, back = token_offset(qsl_ptr, t, in_range, num_reqs, SEARCH_STEPS)
     seq = tl.load(seq_lens_ptr + req, mask=real, other=0)
-    pos = (seq + back).to(tl.int64)
+    pos = seq.to(tl.int64) + back  # int64 first: a length near -2**31 must not wrap
     writes = real & (pos >= 0) & ((pos + 1) % ratio == 0)
     # Lanes with pos < 0 are masked off; clamping keeps every division non-negative.
     cpos = tl.maximum(pos, 0) // ratio
