@@ -164,6 +164,20 @@ class IndexerConfig:
         """Rows of the prefill K workspace (each D + 4 bytes)."""
         return self.workspace_rows or 40 * self.max_model_len
 
+    def metadata_key(self) -> tuple[tuple[str, object], ...]:
+        """``(name, value)`` of everything the metadata builders' outputs depend on, defaults
+        resolved (``kernel_block_size``, ``layout``): a layer may use metadata built from any
+        config with the same key."""
+        resolved = {"kernel_block_size": self.kernel_block_size or self.block_size,
+                    "layout": self.layout}
+        return tuple((name, resolved.get(name, getattr(self, name))) for name in METADATA_FIELDS)
+
+
+# What shapes the metadata's lengths, tables and slots (IndexerConfig.metadata_key).
+METADATA_FIELDS = ("max_model_len", "block_size", "kernel_block_size", "next_n",
+                   "compress_ratio", "dcp_world", "dcp_rank", "dcp_interleave", "kpool",
+                   "num_blocks", "layout")
+
 
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -80,8 +80,9 @@ class Indexer(nn.Module):
     design §11); without it, and in prefill, each rank selects among its own keys only.
 
     The K cache has ``cfg.num_blocks`` blocks (required): metadata built from a config with
-    the same ``num_blocks`` keeps every length, and so every selection, inside the cache, and
-    ``forward`` refuses metadata built for another cache size.
+    the same ``num_blocks`` keeps every length, and so every selection, inside the cache.
+    ``forward`` refuses metadata built from a config that differs in any field the metadata
+    depends on (``IndexerConfig.metadata_key``: the cache, layout, parallelism, backend).
 
     Weights load from a DeepSeek state dict: ``wq_b.weight``, ``wk.weight``,
     ``k_norm.weight``, ``k_norm.bias``, ``weights_proj.weight`` (``load_state_dict``), or
@@ -297,10 +298,15 @@ class Indexer(nn.Module):
         if not isinstance(meta, DecodeMetadata | PrefillMetadata):
             raise TypeError(f"dsa.{op}: `meta` must be DecodeMetadata or PrefillMetadata, got "
                             f"{type(meta).__name__}")
-        if meta.num_blocks != cache.shape[0]:
-            raise ValueError(f"dsa.{op}: `meta` must be built for this layer's K cache of "
-                             f"{cache.shape[0]} blocks (IndexerConfig.num_blocks), got metadata "
-                             f"for num_blocks={meta.num_blocks}")
+        ours = self.cfg.metadata_key()
+        if meta.built_for != ours:
+            theirs = dict(meta.built_for)
+            differ = [(name, value) for name, value in ours if theirs.get(name) != value]
+            raise ValueError(
+                f"dsa.{op}: `meta` must be built from a config like this layer's (its K cache, "
+                f"layout and parallelism): built for "
+                + ", ".join(f"{n}={theirs.get(n)}" for n, _ in differ) + ", the layer has "
+                + ", ".join(f"{n}={v}" for n, v in differ))
         tokens = meta.slot_mapping.shape[0]
         for name, x in (("hidden", hidden), ("q_latent", q_latent), ("positions", positions)):
             check_size(op, name, x, 0, tokens, "the metadata's tokens")

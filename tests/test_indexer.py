@@ -199,11 +199,42 @@ def test_indexer_needs_metadata_built_for_its_cache():
                       slot_mapping=torch.tensor([4]), positions=torch.tensor([4]))
     for other in (None, cfg.num_blocks + 1):
         meta = dsa.build_decode_metadata(dataclasses.replace(cfg, num_blocks=other), batch)
-        with pytest.raises(ValueError, match=rf"`meta` must be built for this layer's K cache "
-                                             rf"of {cfg.num_blocks} blocks .* num_blocks={other}"):
+        with pytest.raises(ValueError, match=rf"built for num_blocks={other}, the layer has "
+                                             rf"num_blocks={cfg.num_blocks}"):
             layer(torch.randn(1, 8), torch.randn(1, 8), batch.positions, meta)
     meta = dsa.build_decode_metadata(cfg, batch)
     assert layer(torch.randn(1, 8), torch.randn(1, 8), batch.positions, meta).indices.shape == (
+        1, cfg.topk)
+
+
+@pytest.mark.parametrize("change", [{"compress_ratio": 4}, {"dcp_world": 2, "dcp_rank": 1},
+                                    {"block_size": 32}, {"kernel_block_size": 8},
+                                    {"decode_layout": "flat"}, {"max_model_len": 512}])
+def test_indexer_refuses_metadata_of_another_config(change):
+    """Metadata from a config that differs in what the metadata depends on (compression, DCP
+    rank, block sizes, layout, model length) would score other keys: the layer refuses it,
+    naming the fields; a config differing elsewhere (topk, debug) is fine."""
+    cfg = make_config()
+    layer = dsa.Indexer(cfg, hidden_size=8, q_lora_rank=8, rope_dim=32, dtype=torch.float32)
+    other = dataclasses.replace(cfg, **change)
+    batch = dsa.Batch(query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                      seq_lens=torch.tensor([5], dtype=torch.int32),
+                      block_table=torch.zeros(1, other.table_factor * -(
+                          -other.max_blocks_per_req // other.dcp_world), dtype=torch.int32),
+                      slot_mapping=torch.tensor([4]), positions=torch.tensor([4]))
+    meta = dsa.build_decode_metadata(other, batch)
+    name, value = next(iter(change.items()))
+    name = "layout" if name == "decode_layout" else name
+    with pytest.raises(ValueError, match=rf"built for .*{name}={value}.* the layer has"):
+        layer(torch.randn(1, 8), torch.randn(1, 8), batch.positions, meta)
+    same = {"topk": cfg.topk // 2, "debug": True, "kernel_block_size": cfg.block_size,
+            "decode_layout": cfg.layout}
+    fine = dsa.build_decode_metadata(dataclasses.replace(cfg, **same),
+                                     dsa.Batch(batch.query_start_loc, batch.seq_lens,
+                                               torch.zeros(1, cfg.max_blocks_per_req,
+                                                           dtype=torch.int32),
+                                               batch.slot_mapping, batch.positions))
+    assert layer(torch.randn(1, 8), torch.randn(1, 8), batch.positions, fine).indices.shape == (
         1, cfg.topk)
 
 

@@ -22,7 +22,8 @@ from dsa.ops.logits import paged_backend
 ops = torch.ops.dsa
 
 
-@pytree_dataclass("layout", "next_n", "logits_backend", "max_context_len", "num_blocks")
+@pytree_dataclass("layout", "next_n", "logits_backend", "max_context_len", "num_blocks",
+                  "built_for")
 @dataclass(frozen=True)
 class DecodeMetadata:
     """Everything the indexer's decode leaves need, shared by all layers of a step.
@@ -58,6 +59,8 @@ class DecodeMetadata:
         max_context_len: static width of a logits row.
         num_blocks: the K-cache size the lengths were capped to (``cfg.num_blocks``; None:
             unknown, only negative block ids and the table width cap them).
+        built_for: ``cfg.metadata_key()`` of the config it was built from (a layer refuses
+            metadata built for another cache, layout or parallelism).
     """
 
     layout: str
@@ -77,6 +80,7 @@ class DecodeMetadata:
     schedule: Tensor | None
     max_context_len: int
     num_blocks: int | None
+    built_for: tuple[tuple[str, object], ...]
 
     @property
     def num_tokens(self) -> int:
@@ -127,7 +131,7 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
     return DecodeMetadata(layout=cfg.layout, next_n=next_n, query_start_loc=qsl,
                           request_block_table=request_table, kpool_slot_mapping=kpool_slots,
                           logits_backend=backend, max_context_len=width,
-                          num_blocks=cfg.num_blocks, **leaves)
+                          num_blocks=cfg.num_blocks, built_for=cfg.metadata_key(), **leaves)
 
 
 # Without ``cfg.num_blocks``, any non-negative block id counts as inside the cache.

@@ -67,7 +67,7 @@ class PrefillChunk:
     global_lens: Tensor
 
 
-@pytree_dataclass("logits_backend", "num_blocks")
+@pytree_dataclass("logits_backend", "num_blocks", "built_for")
 @dataclass(frozen=True)
 class PrefillMetadata:
     """The chunks of a step's prefill requests and where their K goes.
@@ -83,6 +83,7 @@ class PrefillMetadata:
         logits_backend: "deepgemm" or "triton", the ragged-logits implementation.
         num_blocks: the K-cache size the block ids were checked against (``cfg.num_blocks``;
             None: unknown).
+        built_for: ``cfg.metadata_key()`` of the config it was built from.
     """
 
     chunks: tuple[PrefillChunk, ...]
@@ -92,6 +93,7 @@ class PrefillMetadata:
     valid_tokens: Tensor
     logits_backend: str
     num_blocks: int | None
+    built_for: tuple[tuple[str, object], ...]
 
 
 def build_prefill_metadata(
@@ -181,6 +183,7 @@ def build_prefill_metadata(
         logits_backend=ragged_backend(cfg.logits_backend, batch.seq_lens.device, cfg.num_heads,
                                       cfg.head_dim),
         num_blocks=cfg.num_blocks,
+        built_for=cfg.metadata_key(),
     )
 
 
