@@ -200,6 +200,8 @@ IMPOSSIBLE = {
                             "got 64"),
     "negative_position": ({"positions": torch.tensor([18, 19, -3, 0, 0, 0])},
                           "`positions` of real token 2 must be in .* got -3"),
+    "seq_past_model": ({"seq_lens": torch.tensor([65, 5, 0], **I32)},
+                       "`seq_lens` must be <= max_model_len=64, got 65 for request 0"),
 }
 
 
@@ -215,6 +217,20 @@ def test_impossible_batches_raise_on_the_host(case, builder):
         return
     with pytest.raises(ValueError, match=f"dsa.{builder}: {match}"):
         getattr(dsa, builder)(cfg, batch)
+
+
+@pytest.mark.parametrize("builder", ["build_decode_metadata", "build_prefill_metadata"])
+def test_slots_outside_the_cache_raise_on_the_host(builder):
+    """A real token's slot beyond the cache (or negative, not -1) would silently write
+    nothing; -1 (no write) is fine, and padding tokens' stale slots are not checked."""
+    cfg = config(next_n=2, num_blocks=8)  # 8 blocks of 16: slots [0, 128)
+    getattr(dsa, builder)(cfg, decode_batch(slot_mapping=torch.tensor([18, -1, 84, 999, 7, 8])))
+    for slot in (128, -5):
+        with pytest.raises(ValueError, match=rf"dsa.{builder}: `slot_mapping` of real token 1 "
+                                             rf"must be -1 or in \[0, num_blocks \* block_size "
+                                             rf"= 128\), got {slot}"):
+            getattr(dsa, builder)(cfg, decode_batch(
+                slot_mapping=torch.tensor([18, slot, 84, 7, 8, 9])))
 
 
 def test_padding_positions_are_not_checked():

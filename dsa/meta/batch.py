@@ -91,9 +91,10 @@ def check_batch_values(op: str, cfg: IndexerConfig, batch: Batch, *, decode: boo
     check is skipped while tracing.
 
     Checks: ``query_start_loc`` starts at 0, never decreases and ends within the tokens;
-    ``seq_lens`` >= 0 and >= each request's query length; a decode request has at most
+    ``seq_lens`` in ``[query length, max_model_len]``; a decode request has at most
     ``next_n`` tokens; real tokens' positions are in ``[0, max_model_len)``; with
-    ``cfg.num_blocks``, the indexer blocks each request spans are in ``[0, num_blocks)``.
+    ``cfg.num_blocks``, the indexer blocks each request spans are in ``[0, num_blocks)`` and,
+    without compression, real tokens' slots are -1 or inside the cache.
     """
     if not values_readable(batch.query_start_loc, debug=cfg.debug or sync):
         return
@@ -114,16 +115,25 @@ def check_batch_values(op: str, cfg: IndexerConfig, batch: Batch, *, decode: boo
     if (r := _first(seq < query_lens)) is not None:
         raise ValueError(f"{where} `seq_lens` of request {r} must be >= its query length "
                          f"{int(query_lens[r])}, got {int(seq[r])}")
+    if (r := _first(seq > cfg.max_model_len)) is not None:
+        raise ValueError(f"{where} `seq_lens` must be <= max_model_len={cfg.max_model_len}, got "
+                         f"{int(seq[r])} for request {r}")
     if decode and (r := _first(query_lens > cfg.next_n)) is not None:
         raise ValueError(f"{where} decode request {r} must have at most next_n={cfg.next_n} "
                          f"query tokens, got {int(query_lens[r])}")
-    real = torch.arange(positions.numel()) < qsl[-1]
-    outside = real & ((positions < 0) | (positions >= cfg.max_model_len))
+    real_tokens = int(qsl[-1])
+    outside = (positions[:real_tokens] < 0) | (positions[:real_tokens] >= cfg.max_model_len)
     if (t := _first(outside)) is not None:
         raise ValueError(f"{where} `positions` of real token {t} must be in [0, max_model_len="
                          f"{cfg.max_model_len}), got {int(positions[t])}")
     if cfg.num_blocks is not None:
         _check_block_ids(where, cfg, batch.block_table.cpu(), seq)
+        if cfg.compress_ratio == 1:
+            slots = batch.slot_mapping[:real_tokens].cpu()
+            cache = cfg.num_blocks * cfg.block_size
+            if (t := _first((slots != -1) & ((slots < 0) | (slots >= cache)))) is not None:
+                raise ValueError(f"{where} `slot_mapping` of real token {t} must be -1 or in "
+                                 f"[0, num_blocks * block_size = {cache}), got {int(slots[t])}")
 
 
 def _check_block_ids(where: str, cfg: IndexerConfig, table: Tensor, seq: Tensor) -> None:
