@@ -388,6 +388,8 @@ def _checkpoint_weight(own: Mapping[str, Tensor], prefix: str, name: str, param:
                        ) -> Tensor:
     """Checkpoint tensor ``name`` checked against ``param``, dequantised when it is fp8."""
     value = _checkpoint_tensor(own, prefix, name, tuple(param.shape))
+    if name.endswith("_scale_inv"):  # fp8_weights: the block scales, kept as fp32
+        return _block_scales(value, prefix + name)
     if param.dtype == torch.float8_e4m3fn:  # fp8_weights: kept as shipped
         if value.dtype != torch.float8_e4m3fn:
             raise ValueError(f"Indexer.load_checkpoint: {prefix + name!r} has dtype "
@@ -397,13 +399,22 @@ def _checkpoint_weight(own: Mapping[str, Tensor], prefix: str, name: str, param:
         return value
     if param.ndim == 2 and value.dtype == torch.float8_e4m3fn:
         blocks = block_fp8.scale_shape(*param.shape)
-        scale = _checkpoint_tensor(own, prefix, f"{name}_scale_inv", blocks).float()
+        key = f"{name}_scale_inv"
+        scale = _block_scales(_checkpoint_tensor(own, prefix, key, blocks), prefix + key)
         value = block_fp8.dequantize(value, scale.to(value.device), torch.float32)
     elif not value.is_floating_point() or value.dtype.itemsize < 2:
         raise ValueError(f"Indexer.load_checkpoint: {prefix + name!r} has dtype {value.dtype}, "
                          "expected bf16/fp16/fp32 (or fp8 e4m3 with block scales for a linear "
                          "weight)")
     return value.to(param.dtype)
+
+
+def _block_scales(value: Tensor, key: str) -> Tensor:
+    """A checkpoint's block scales as fp32 (exact from any 16- or 32-bit float)."""
+    if not value.is_floating_point() or value.dtype.itemsize < 2:
+        raise ValueError(f"Indexer.load_checkpoint: {key!r} has dtype {value.dtype}, expected "
+                         "the fp32 block scales (weight_scale_inv) of an fp8 weight")
+    return value.float()
 
 
 def _checkpoint_tensor(own: Mapping[str, Tensor], prefix: str, name: str,

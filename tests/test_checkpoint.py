@@ -290,6 +290,8 @@ def test_load_checkpoint_errors():
          f"'{p}k_norm.weight' has dtype torch.int32, expected bf16/fp16/fp32"),
         ({p + "k_norm.weight": torch.ones(DIM).to(torch.float8_e4m3fn)},
          "has dtype torch.float8_e4m3fn"),
+        ({p + "wk.weight_scale_inv": torch.ones(1, 3, dtype=torch.int32)},
+         f"'{p}wk.weight_scale_inv' has dtype torch.int32, expected the fp32 block scales"),
     ]
     for change, match in cases:
         state = make_checkpoint()
@@ -302,6 +304,13 @@ def test_load_checkpoint_errors():
             layer.load_checkpoint(state, prefix=p)
     with pytest.raises(ValueError, match=re.escape(f"missing key '{prefix_of(7)}wq_b")):
         layer.load_checkpoint(make_checkpoint(), prefix=prefix_of(7))
+    fp8_layer = dsa.Indexer.from_hf_config(HF_CONFIG, **LIMITS, num_blocks=8, fp8_weights=True)
+    state = make_checkpoint()
+    state[p + "wq_b.weight_scale_inv"] = state[p + "wq_b.weight_scale_inv"].to(
+        torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=f"'{p}wq_b.weight_scale_inv' has dtype "
+                                         "torch.float8_e4m3fn, expected the fp32 block scales"):
+        fp8_layer.load_checkpoint(state, prefix=p)
 
 
 @pytest.mark.parametrize("key", ["hidden_size", "q_lora_rank", "index_n_heads",
