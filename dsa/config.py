@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -177,6 +179,17 @@ class IndexerConfig:
 METADATA_FIELDS = ("max_model_len", "block_size", "kernel_block_size", "next_n",
                    "compress_ratio", "dcp_world", "dcp_rank", "dcp_interleave", "kpool",
                    "num_blocks", "layout")
+
+
+def hf_config_dict(config: object, caller: str) -> Mapping[str, Any]:
+    """A HF ``config.json`` as a mapping: a dict as it is, a ``transformers`` config object
+    through its ``to_dict()``."""
+    if isinstance(config, Mapping):
+        return config
+    if callable(getattr(config, "to_dict", None)):
+        return config.to_dict()
+    raise TypeError(f"{caller}: `config` must be a config.json dict (or an object with "
+                    f"to_dict(), as transformers' configs), got {type(config).__name__}")
 
 
 def _positive(name: str, value: object) -> None:

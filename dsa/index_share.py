@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dsa.config import hf_config_dict
+
 FULL, SHARED = "F", "S"
 SKIP_TOPK_OFFSET = 2  # vLLM's and SGLang's default ``index_skip_topk_offset``
 
@@ -35,7 +37,8 @@ class IndexShare:
     pattern: str
 
     def __post_init__(self) -> None:
-        if not self.pattern or set(self.pattern) - {FULL, SHARED}:
+        if not isinstance(self.pattern, str) or not self.pattern or set(self.pattern) - {
+                FULL, SHARED}:
             raise ValueError(f"IndexShare: pattern must be a non-empty string of 'F' (full) "
                              f"and 'S' (shared), got {self.pattern!r}")
         if self.pattern[0] != FULL:
@@ -67,6 +70,7 @@ class IndexShare:
         or else ``index_topk_freq`` and ``index_skip_topk_offset``; otherwise every layer
         full (DeepSeek V3.2 as shipped).
         """
+        config = hf_config_dict(config, "IndexShare.from_hf_config")
         num_layers = config.get("num_hidden_layers")
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"IndexShare.from_hf_config: the config needs num_hidden_layers "
@@ -79,7 +83,11 @@ class IndexShare:
                                  f"or 'shared' for each of the {num_layers} layers, got "
                                  f"{kinds!r}")
             return cls("".join(names[kind] for kind in kinds))
-        if not config.get("use_index_cache"):
+        use_index_cache = config.get("use_index_cache")
+        if use_index_cache is not None and not isinstance(use_index_cache, bool):
+            raise ValueError(f"IndexShare.from_hf_config: use_index_cache must be true, false "
+                             f"or absent, got {use_index_cache!r}")
+        if not use_index_cache:
             return cls(FULL * num_layers)
         pattern = config.get("index_topk_pattern")
         if pattern is not None:
@@ -87,7 +95,8 @@ class IndexShare:
                 raise ValueError(f"IndexShare.from_hf_config: index_topk_pattern must have one "
                                  f"'F' or 'S' per layer ({num_layers}), got {len(pattern)}")
             return cls(pattern)
-        return cls.every(num_layers, config.get("index_topk_freq") or 1,
+        freq = config.get("index_topk_freq")
+        return cls.every(num_layers, 1 if freq is None else freq,
                          config.get("index_skip_topk_offset", SKIP_TOPK_OFFSET))
 
     @property
@@ -95,7 +104,11 @@ class IndexShare:
         return len(self.pattern)
 
     def is_full(self, layer: int) -> bool:
-        """Whether ``layer`` runs its own indexer."""
+        """Whether ``layer`` (``0 .. num_layers - 1``) runs its own indexer."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not (
+                0 <= layer < self.num_layers):
+            raise ValueError(f"IndexShare.is_full: layer must be an int in [0, "
+                             f"{self.num_layers}), got {layer!r}")
         return self.pattern[layer] == FULL
 
     @property

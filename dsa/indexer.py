@@ -12,13 +12,14 @@ from torch import Tensor, nn
 
 from dsa import distributed
 from dsa._pytree import pytree_dataclass
-from dsa.config import IndexerConfig
+from dsa.config import IndexerConfig, hf_config_dict
 from dsa.meta.decode import DecodeMetadata
 from dsa.meta.prefill import PrefillMetadata
 from dsa.ops import block_fp8
 from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor
 from dsa.ops.dcp import owned_indices
 from dsa.ops.project import KERNEL_TOKENS, project_torch
+from dsa.ops.quant import FLOAT_DTYPES
 from dsa.rope import YarnScaling, rope_scaling_from_hf, rope_table
 
 ops = torch.ops.dsa
@@ -112,6 +113,7 @@ class Indexer(nn.Module):
         fp8_weights: bool = False,
     ) -> None:
         super().__init__()
+        _check_layer_args(cfg, hidden_size, q_lora_rank, rope_theta, rope_scaling, dtype)
         if dcp_group is not None:
             distributed.check_dcp_group("Indexer", dcp_group, cfg.dcp_world, cfg.dcp_rank,
                                         cfg.dcp_interleave)
@@ -179,6 +181,8 @@ class Indexer(nn.Module):
         next_n, ...), and ``ue8m0_scales`` over the config's. ``fp8_weights``: see the class.
         Weights are uninitialised: see ``load_checkpoint``.
         """
+        config = hf_config_dict(config, "Indexer.from_hf_config")
+
         def read(key: str) -> Any:
             if config.get(key) is None:
                 raise ValueError(f"Indexer.from_hf_config: the config has no {key!r} (a "
@@ -205,11 +209,15 @@ class Indexer(nn.Module):
                             max_model_len=max_model_len, num_heads=read("index_n_heads"),
                             head_dim=read("index_head_dim"), topk=read("index_topk"),
                             num_blocks=num_blocks, **cfg_overrides)
+        interleaved = config.get("indexer_rope_interleave")
+        if interleaved is not None and not isinstance(interleaved, bool):
+            raise ValueError(f"Indexer.from_hf_config: indexer_rope_interleave must be true, "
+                             f"false or absent, got {interleaved!r}")
         return cls(cfg, hidden_size=read("hidden_size"), q_lora_rank=read("q_lora_rank"),
                    rope_dim=read("qk_rope_head_dim"),
                    rope_theta=theta, rope_scaling=rope_scaling_from_hf(rope_scaling),
-                   rope_interleaved=bool(config.get("indexer_rope_interleave", False)),
-                   device=device, dtype=dtype, fp8_weights=fp8_weights)
+                   rope_interleaved=bool(interleaved), device=device, dtype=dtype,
+                   fp8_weights=fp8_weights)
 
     def load_checkpoint(self, state_dict: Mapping[str, Tensor], prefix: str = "") -> None:
         """Loads this layer's weights from a checkpoint state dict as DeepSeek V3.2 ships it.
@@ -382,6 +390,27 @@ class Indexer(nn.Module):
             lens = torch.where(meta.valid_tokens[span], lens, 0)
             indices[span], slots[span] = self._select(logits, lens, meta, span)
         return indices, slots
+
+
+def _check_layer_args(cfg: object, hidden_size: object, q_lora_rank: object,
+                      rope_theta: object, rope_scaling: object, dtype: object) -> None:
+    """The Indexer's constructor arguments that its parts would otherwise fail on deep
+    inside (or, for ``rope_theta``, silently: a NaN RoPE table)."""
+    if not isinstance(cfg, IndexerConfig):
+        raise TypeError(f"Indexer: `cfg` must be a dsa.IndexerConfig, got {type(cfg).__name__}")
+    for name, value in (("hidden_size", hidden_size), ("q_lora_rank", q_lora_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Indexer: `{name}` must be a positive int, got {value!r}")
+    if (isinstance(rope_theta, bool) or not isinstance(rope_theta, int | float)
+            or not rope_theta > 0 or rope_theta == float("inf")):
+        raise ValueError(f"Indexer: `rope_theta` must be a positive finite number, got "
+                         f"{rope_theta!r}")
+    if rope_scaling is not None and not isinstance(rope_scaling, YarnScaling):
+        raise TypeError(f"Indexer: `rope_scaling` must be a dsa.YarnScaling or None (from a HF "
+                        f"config: dsa.rope.rope_scaling_from_hf), got "
+                        f"{type(rope_scaling).__name__}")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"Indexer: `dtype` must be one of {list(FLOAT_DTYPES)}, got {dtype!r}")
 
 
 def _checkpoint_weight(own: Mapping[str, Tensor], prefix: str, name: str, param: Tensor

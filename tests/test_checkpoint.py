@@ -324,6 +324,36 @@ def test_from_hf_config_names_a_missing_key(key):
         dsa.Indexer.from_hf_config({**HF_CONFIG, key: None}, **LIMITS, num_blocks=8)
 
 
+def test_from_hf_config_reads_config_objects_and_checks_fields():
+    class Config:
+        def to_dict(self):
+            return HF_CONFIG
+
+    assert dsa.Indexer.from_hf_config(Config(), **LIMITS, num_blocks=8).rope_dim == HF_CONFIG[
+        "qk_rope_head_dim"]
+    with pytest.raises(ValueError, match="indexer_rope_interleave must be true, false or "
+                                         "absent, got 'false'"):
+        dsa.Indexer.from_hf_config({**HF_CONFIG, "indexer_rope_interleave": "false"}, **LIMITS,
+                                   num_blocks=8)
+
+
+@pytest.mark.parametrize(("change", "error", "match"), [
+    ({"rope_theta": 0.0}, ValueError, "`rope_theta` must be a positive finite number, got 0.0"),
+    ({"rope_theta": "1e4"}, ValueError, "`rope_theta` must be a positive finite number"),
+    ({"q_lora_rank": 0}, ValueError, "`q_lora_rank` must be a positive int, got 0"),
+    ({"hidden_size": 7.0}, ValueError, "`hidden_size` must be a positive int, got 7.0"),
+    ({"rope_scaling": {"factor": 4}}, TypeError, "`rope_scaling` must be a dsa.YarnScaling"),
+    ({"dtype": torch.int32}, ValueError, "`dtype` must be one of"),
+])
+def test_indexer_checks_its_arguments(change, error, match):
+    cfg = dsa.IndexerConfig(**LIMITS, num_blocks=8)
+    args = {"hidden_size": 64, "q_lora_rank": 32, **change}
+    with pytest.raises(error, match=f"Indexer: {match}"):
+        dsa.Indexer(cfg, **args)
+    with pytest.raises(TypeError, match=r"`cfg` must be a dsa\.IndexerConfig, got dict"):
+        dsa.Indexer(dict(LIMITS), hidden_size=64, q_lora_rank=32)
+
+
 def test_from_hf_config_scale_fmt():
     def layer(config, **overrides):
         return dsa.Indexer.from_hf_config(config, **LIMITS, num_blocks=8, **overrides)

@@ -56,10 +56,29 @@ def test_from_hf_config_reads_each_engine_setting():
     (lambda: dsa.IndexShare.from_hf_config(
         {"num_hidden_layers": 3, "use_index_cache": True, "index_topk_pattern": "FS"}),
      r"one 'F' or 'S' per layer \(3\), got 2"),
+    (lambda: dsa.IndexShare(["F", "S"]), "non-empty string of 'F'"),
+    (lambda: dsa.IndexShare("FS").is_full(2), r"layer must be an int in \[0, 2\), got 2"),
+    (lambda: dsa.IndexShare("FS").is_full(-1), r"layer must be an int in \[0, 2\), got -1"),
+    (lambda: dsa.IndexShare.from_hf_config(
+        {"num_hidden_layers": 3, "use_index_cache": "false"}), "use_index_cache must be true"),
+    (lambda: dsa.IndexShare.from_hf_config(
+        {"num_hidden_layers": 3, "use_index_cache": True, "index_topk_freq": 0}),
+     "freq must be an int >= 1, got 0"),
 ])
 def test_bad_patterns_raise(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_from_hf_config_takes_a_config_object():
+    """A transformers config object (anything with to_dict()) reads like its dict."""
+    class Config:
+        def to_dict(self):
+            return {"num_hidden_layers": 3, "indexer_types": ["full", "shared", "full"]}
+
+    assert dsa.IndexShare.from_hf_config(Config()).pattern == "FSF"
+    with pytest.raises(TypeError, match=r"`config` must be a config\.json dict"):
+        dsa.IndexShare.from_hf_config(3)
 
 
 def make_step(cfg: dsa.IndexerConfig, share: dsa.IndexShare, indexers: dict[int, dsa.Indexer]):
