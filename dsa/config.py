@@ -98,8 +98,10 @@ class IndexerConfig:
                 f"IndexerConfig: compress_ratio must be <= max_model_len={self.max_model_len} "
                 f"(else no sequence has a compressed state to select), got {self.compress_ratio}"
             )
-        if not isinstance(self.debug, bool):
-            raise ValueError(f"IndexerConfig: debug must be a bool, got {self.debug!r}")
+        for name in ("debug", "ue8m0_scales"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"IndexerConfig: {name} must be a bool, got "
+                                 f"{getattr(self, name)!r}")
         if isinstance(self.dcp_rank, bool) or not isinstance(self.dcp_rank, int) or not (
             0 <= self.dcp_rank < self.dcp_world
         ):

@@ -57,6 +57,7 @@ def test_derived_sizes_with_compression_and_kernel_blocks():
          r"'mxfp4'\], got 'bf16'"),
         ({"logits_backend": "cuda"}, ValueError, "logits_backend must be one of"),
         ({"decode_layout": "packed"}, ValueError, "decode_layout must be one of"),
+        ({"ue8m0_scales": "no"}, ValueError, "ue8m0_scales must be a bool, got 'no'"),
         ({"decode_layout": "native", "logits_backend": "deepgemm", "next_n": 3}, ValueError,
          "native decode layout takes next_n in"),
     ],

@@ -358,6 +358,13 @@ def test_graph_runner_on_cpu_raises_a_clear_error():
                                          "got cpu; on the CPU, call the compiled step directly"):
         DecodeGraphRunner(lambda batch: batch, config(), token_inputs={}, table_width=4,
                           device="cpu")
+    with pytest.raises(ValueError, match=r"bucket 3 takes 3 \* next_n = 9 tokens, more than "
+                                         r"IndexerConfig.max_num_batched_tokens=8"):
+        DecodeGraphRunner(lambda batch: batch, config(next_n=3), token_inputs={}, table_width=4)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device, and torch "
+                                               "finds none"):
+            DecodeGraphRunner(lambda batch: batch, config(), token_inputs={}, table_width=4)
 
 
 # --- 7. errors under torch.compile ---------------------------------------------------------

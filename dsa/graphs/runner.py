@@ -70,10 +70,19 @@ class DecodeGraphRunner:
         if self.device.type != "cuda":
             raise ValueError(f"DecodeGraphRunner: CUDA graphs need a CUDA device, got "
                              f"{self.device}; on the CPU, call the compiled step directly")
-        if self.device.index is None and torch.cuda.is_available():  # "cuda": the current one
-            self.device = torch.device("cuda", torch.cuda.current_device())
         self.cfg = cfg
         self.sizes = tuple(sorted(sizes or capture_sizes(cfg.max_num_reqs)))
+        too_many = [size for size in self.sizes if size * cfg.next_n > cfg.max_num_batched_tokens]
+        if too_many:
+            raise ValueError(f"DecodeGraphRunner: bucket {too_many[0]} takes {too_many[0]} * "
+                             f"next_n = {too_many[0] * cfg.next_n} tokens, more than "
+                             f"IndexerConfig.max_num_batched_tokens={cfg.max_num_batched_tokens}"
+                             f" (raise it, or pass smaller sizes)")
+        if not torch.cuda.is_available():
+            raise RuntimeError("DecodeGraphRunner: CUDA graphs need a CUDA device, and torch "
+                               "finds none; on the CPU, call the compiled step directly")
+        if self.device.index is None:  # "cuda": the current one
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.step = step
         if compile_backend is not None:
             self.step = torch.compile(step, fullgraph=True, dynamic=False,
