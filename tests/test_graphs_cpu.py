@@ -177,6 +177,20 @@ def test_static_batch_pad_in_place_equals_load():
         assert torch.equal(getattr(in_place.batch, name), getattr(loaded.batch, name)), name
 
 
+def test_static_batch_pad_checks_its_sizes():
+    """pad's num_tokens must be the live requests' tokens (a smaller one left real tokens
+    with slot -1 and position 0, still valid); sizes are ints."""
+    static = StaticBatch(5, 8, 3)
+    static.load(live_batch())
+    live = live_batch()
+    with pytest.raises(ValueError, match=rf"num_tokens must be query_start_loc\[num_reqs="
+                                         rf"{live.num_reqs}\] = {live.num_tokens}, .* got 1"):
+        static.pad(live.num_reqs, 1)
+    with pytest.raises(TypeError, match="`num_reqs` must be an int, got float"):
+        static.pad(2.5, live.num_tokens)
+    static.pad(live.num_reqs, live.num_tokens)
+
+
 def test_decode_graph_runner_needs_cuda_and_a_table_width():
     cfg = dsa.IndexerConfig(max_num_reqs=4, max_num_batched_tokens=8, max_model_len=256)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):

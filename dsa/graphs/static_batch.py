@@ -84,10 +84,19 @@ class StaticBatch:
             launch = self._get_ready(("pad", num_reqs, num_tokens), lambda: pad_batch_launch(
                 buffers, num_reqs, num_tokens, b.block_table.shape[1], b.block_table.stride(0)))
             launch(*buffers, *buffers)
-        else:
+        else:  # host buffers: the live total is readable for free
+            total = int(b.query_start_loc[num_reqs])
+            if total != num_tokens:
+                raise ValueError(f"StaticBatch.pad: num_tokens must be query_start_loc[num_reqs="
+                                 f"{num_reqs}] = {total}, the live requests' tokens, got "
+                                 f"{num_tokens}")
             _PAD_FACES.cpu(*_fields(self.prefix(num_reqs, num_tokens).batch), *_fields(b))
 
     def _check_room(self, method: str, num_reqs: int, num_tokens: int) -> None:
+        for name, value in (("num_reqs", num_reqs), ("num_tokens", num_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"StaticBatch.{method}: `{name}` must be an int, got "
+                                f"{type(value).__name__}")
         if not (0 <= num_reqs <= self.num_reqs and 0 <= num_tokens <= self.num_tokens):
             raise ValueError(f"StaticBatch.{method}: {num_reqs} requests and {num_tokens} "
                              f"tokens exceed capacity {self.num_reqs} requests, "
