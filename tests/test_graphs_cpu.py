@@ -36,8 +36,9 @@ def test_capture_sizes():
     assert capture_sizes(6) == (1, 2, 4, 6)
     assert capture_sizes(20) == (1, 2, 4, 8, 16, 20)
     assert capture_sizes(32, step=16) == (1, 2, 4, 16, 32)
-    with pytest.raises(ValueError, match="max_num_reqs and step must be >= 1"):
-        capture_sizes(0)
+    for bad in ((0,), (4.0,), ("8",), (8, 0)):
+        with pytest.raises(ValueError, match="max_num_reqs and step must be ints >= 1"):
+            capture_sizes(*bad[:1], **({"step": bad[1]} if len(bad) > 1 else {}))
 
 
 def test_bucket_for():
@@ -45,6 +46,10 @@ def test_bucket_for():
     assert [bucket_for(n, sizes) for n in (0, 1, 3, 4, 5, 8)] == [1, 1, 4, 4, 8, 8]
     with pytest.raises(ValueError, match="9 requests exceed the largest capture size 8"):
         bucket_for(9, sizes)
+    with pytest.raises(ValueError, match="num_reqs must be an int >= 0, got -1"):
+        bucket_for(-1, sizes)
+    with pytest.raises(ValueError, match="no capture sizes"):
+        bucket_for(1, ())
 
 
 def test_pad_batch_pads_requests_tokens_and_table():

@@ -298,6 +298,11 @@ def test_prefill_rejects_host_lengths_that_disagree_with_the_batch():
     meta = dsa.build_prefill_metadata(cfg, batch, seq_lens_cpu=torch.tensor([400, 300]),
                                       query_start_loc_cpu=[0, 2, 4])
     assert meta.valid_tokens.all()
+    for bad in ([400.7, 300], ["400", "300"], torch.tensor([400.0, 300.0])):
+        with pytest.raises(ValueError, match="host lengths must be"):
+            dsa.build_prefill_metadata(cfg, batch, seq_lens_cpu=bad, query_start_loc_cpu=[0, 2, 4])
+    with pytest.raises(ValueError, match=r"`num_decodes` must be in \[0, 2\], got 1.5"):
+        dsa.build_prefill_metadata(cfg, batch, num_decodes=1.5)
 
 
 def test_split_prefill_chunks_rejects_a_query_longer_than_its_sequence():

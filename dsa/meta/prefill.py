@@ -131,7 +131,8 @@ def build_prefill_metadata(
         batch.seq_lens, debug=True
     ):
         _check_host_copies(batch, seq_host, qsl_host)
-    if not 0 <= num_decodes <= num_reqs:
+    if isinstance(num_decodes, bool) or not isinstance(num_decodes, int) or not (
+            0 <= num_decodes <= num_reqs):
         raise ValueError(f"dsa.build_prefill_metadata: `num_decodes` must be in [0, {num_reqs}], "
                          f"got {num_decodes}")
 
@@ -200,7 +201,13 @@ def _check_host_copies(batch: Batch, seq_host: list[int], qsl_host: list[int]) -
 
 
 def _host_list(x: Sequence[int] | Tensor) -> list[int]:
+    """Host lengths as ints >= 0: a 1-D integer tensor or a sequence of ints."""
+    if isinstance(x, Tensor) and (x.ndim != 1 or x.is_floating_point() or x.is_complex()):
+        raise ValueError(f"dsa.build_prefill_metadata: host lengths must be a 1-D integer "
+                         f"tensor or a sequence of ints, got a {x.dtype} tensor of shape "
+                         f"{tuple(x.shape)}")
     values = x.tolist() if isinstance(x, Tensor) else list(x)
-    if any(v < 0 for v in values):
-        raise ValueError(f"dsa.build_prefill_metadata: lengths must be >= 0, got {values}")
-    return [int(v) for v in values]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise ValueError(f"dsa.build_prefill_metadata: host lengths must be ints >= 0, got "
+                         f"{values}")
+    return values
