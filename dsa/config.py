@@ -58,7 +58,8 @@ class IndexerConfig:
         workspace_rows: prefill K workspace rows; ``None``: ``40 * max_model_len``.
         max_logits_bytes: prefill logits budget per chunk (default 512 MiB).
         debug: check values that only the device knows (with a host sync; not inside CUDA-graph
-            capture, skipped while torch.compile traces). Default: ``DSA_DEBUG=1`` in the
+            capture, and skipped while torch.compile traces: the checks run where the
+            builders run eagerly). Default: ``DSA_DEBUG`` set to 1 (or true, yes, on) in the
             environment at construction.
     """
 
@@ -83,7 +84,8 @@ class IndexerConfig:
     num_blocks: int | None = None
     workspace_rows: int | None = None
     max_logits_bytes: int = 512 * 1024 * 1024
-    debug: bool = field(default_factory=lambda: os.environ.get("DSA_DEBUG") == "1")
+    debug: bool = field(default_factory=lambda: os.environ.get("DSA_DEBUG", "").lower() in (
+        "1", "true", "yes", "on"))
 
     def __post_init__(self) -> None:
         for name in ("max_num_reqs", "max_num_batched_tokens", "max_model_len", "num_heads",

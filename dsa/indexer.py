@@ -258,7 +258,9 @@ class Indexer(nn.Module):
         Args:
             hidden: ``[T, hidden_size]`` hidden states of the step's tokens.
             q_latent: ``[T, q_lora_rank]`` the query latent (after q_a norm).
-            positions: ``[T]`` positions of the tokens in their sequences.
+            positions: ``[T]`` positions of the tokens in their sequences, for RoPE: the
+                batch's ``positions`` the metadata was built from (its ``valid_tokens``
+                come from those).
             meta: the step's metadata, shared by every layer.
         """
         cfg = self.cfg

@@ -168,8 +168,11 @@ def test_out_of_range_positions_write_nothing_when_not_checked(overrides):
 def test_config_num_blocks_debug_and_compress_ratio(monkeypatch):
     monkeypatch.delenv("DSA_DEBUG", raising=False)
     assert (config().num_blocks, config().debug) == (None, False)
-    monkeypatch.setenv("DSA_DEBUG", "1")
-    assert config().debug and not config(debug=False).debug
+    for on in ("1", "true", "Yes", "ON"):
+        monkeypatch.setenv("DSA_DEBUG", on)
+        assert config().debug and not config(debug=False).debug
+    monkeypatch.setenv("DSA_DEBUG", "0")
+    assert not config().debug
     with pytest.raises(ValueError, match="num_blocks must be a positive int, got 0"):
         config(num_blocks=0)
     with pytest.raises(ValueError, match=r"compress_ratio must be <= max_model_len=64 .*got 65"):
