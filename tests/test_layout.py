@@ -164,4 +164,10 @@ test_validation_errors = validation_test([
     ("unpack_decode_rows", (X[0, 0], QSL, 4), ValueError, r"`y` must be \[num_reqs, next_n"),
     ("unpack_decode_rows", (X[:3], QSL, -1), ValueError, "`num_tokens` must be >= 0"),
     ("unpack_decode_rows", (X[:3].transpose(1, 2), QSL, 4), ValueError, "must be contiguous"),
+    # the CPU face raised torch's overflow error, the kernel face saturated to 448
+    ("unpack_decode_rows", (torch.zeros(3, 2, 2).to(torch.float8_e4m3fn), QSL, 4, 1000),
+     ValueError, r"`fill` must be representable in y's torch.float8_e4m3fn, in \[-448.0, "
+     r"448.0\], got 1000"),
+    ("unpack_decode_rows", (torch.zeros(3, 2, dtype=torch.int8), QSL, 4, 200), ValueError,
+     r"in \[-128, 127\], got 200"),
 ])

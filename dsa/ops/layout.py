@@ -182,7 +182,19 @@ def _unpack_decode_rows_out(y: Tensor, query_start_loc: Tensor, num_tokens: int,
     check_size(op, "y", y, 0, num_reqs, "num_reqs = len(query_start_loc) - 1")
     check_int(op, "num_tokens", num_tokens, low=0)
     check_int(op, "fill", fill)
+    low, high = _dtype_range(y.dtype)
+    if not low <= fill <= high:
+        raise ValueError(f"dsa.{op}: `fill` must be representable in y's {y.dtype}, in "
+                         f"[{low}, {high}], got {fill}")
     return y.new_empty((num_tokens, *y.shape[2:]))
+
+
+def _dtype_range(dtype: torch.dtype) -> tuple[float, float]:
+    """The finite range of ``dtype`` (0 and 1 for bool)."""
+    if dtype == torch.bool:
+        return 0, 1
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    return info.min, info.max
 
 
 def _fill_bits(fill: int, dtype: torch.dtype, width: int, device: torch.device | str) -> Tensor:
