@@ -303,7 +303,7 @@ def test_prefill_metadata_rejects_bad_host_lengths():
                   torch.full((4,), -1), torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="host lengths must match the batch"):
         build_prefill_metadata(cfg, batch, seq_lens_cpu=[2])
-    with pytest.raises(ValueError, match="lengths must be >= 0"):
+    with pytest.raises(ValueError, match="host lengths must be ints >= 0, got \\[2, -1\\]"):
         build_prefill_metadata(cfg, batch, seq_lens_cpu=[2, -1])
     with pytest.raises(ValueError, match=r"`num_decodes` must be in \[0, 2\], got 3"):
         build_prefill_metadata(cfg, batch, num_decodes=3)
