@@ -195,13 +195,16 @@ def test_torch_face_on_cuda_rounds_scales_like_ieee_division(num_tokens):
 # --- tokens that must not write or select ------------------------------------------------------
 
 
+@pytest.mark.parametrize("layout", ["native", "flat"])  # flat: top-k takes select_lens
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_out_of_range_positions_and_padding_tokens_write_and_select_nothing(device):
+def test_out_of_range_positions_and_padding_tokens_write_and_select_nothing(device, layout):
     """Token 1's position is max_model_len (past the RoPE table), token 2's is negative,
     token 3 is padding whose slot points into request 0's live block: none writes K or
-    selects a key, nothing crashes, and token 0 still works."""
+    selects a key, nothing crashes, and token 0 still works (the step compiled, so no host
+    check reads the positions)."""
     cfg = dsa.IndexerConfig(max_num_reqs=3, max_num_batched_tokens=4, max_model_len=256,
-                            num_heads=64, head_dim=128, topk=32, block_size=64, num_blocks=8)
+                            num_heads=64, head_dim=128, topk=32, block_size=64, num_blocks=8,
+                            decode_layout=layout)
     table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [1, 2, 3, 4]])
     layer, batch = _layer_and_batch(device, cfg, table, [100, 200, 50])
     batch = dsa.Batch(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
