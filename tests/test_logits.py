@@ -42,9 +42,10 @@ def _align(n: int, multiple: int = 256) -> int:
 
 
 def paged_case(seed, batch, next_n, heads, head_dim, block_size, max_context_len, *,
-               width=None, broken_table=False):
+               width=None, broken_table=False, full=False):
     """Random decode inputs quantised through dsa's own ops, with the unquantised and the
-    dequantised float64 views the reference needs."""
+    dequantised float64 views the reference needs; ``full``: every row's length is
+    ``max_context_len`` (past a narrow table's keys)."""
     gen = torch.Generator().manual_seed(seed)
     width = triton_cdiv(max_context_len, block_size) if width is None else width
     num_blocks = batch * width + 2
@@ -61,6 +62,8 @@ def paged_case(seed, batch, next_n, heads, head_dim, block_size, max_context_len
     choices = torch.tensor([0, 1, block_size - 1, block_size, block_size + 1, max_context_len])
     choices = choices[choices <= max_context_len]
     context_lens = choices[torch.randint(0, len(choices), (batch, next_n), generator=gen)]
+    if full:
+        context_lens.fill_(max_context_len)
     context_lens = context_lens.to(torch.int32)
     q = torch.randn(batch * next_n, heads, head_dim, generator=gen)
     weights = torch.randn(batch * next_n, heads, generator=gen)
@@ -139,12 +142,16 @@ def test_paged_logits_match_reference(face, shape):
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
+@pytest.mark.parametrize("full", [False, True])
 @pytest.mark.parametrize(("next_n", "block_size", "max_len", "width"),
-                         [(2, 16, 120, 2), (2, 16, 120, 9), (4, 64, 300, 3), (3, 64, 300, 6)])
-def test_paged_logits_invalid_blocks_are_masked(face, next_n, block_size, max_len, width):
-    # A table narrower than the contexts; the table holds -1 and out-of-cache entries.
+                         [(2, 16, 120, 2), (2, 16, 120, 9), (4, 64, 300, 3), (3, 64, 300, 6),
+                          (1, 16, 120, 2), (3, 64, 300, 2)])
+def test_paged_logits_invalid_blocks_are_masked(face, full, next_n, block_size, max_len, width):
+    """A table narrower than the contexts (``full``: every length reaches past it, where the
+    next row's entries must not be read), holding -1 and out-of-cache entries."""
     inputs, max_len, dequantised, exact = paged_case(3, 2, next_n, 16, 32, block_size,
-                                                     max_len, width=width, broken_table=True)
+                                                     max_len, width=width, broken_table=True,
+                                                     full=full)
     with ref.poisoned_empty():
         out = run_op(face, "paged_mqa_logits", *inputs, max_len)
     check_logits(out, dequantised, exact)
