@@ -449,6 +449,18 @@ def test_starts_shift_the_window(face):
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
+def test_negative_starts_clip_at_column_zero(face):
+    """A window starting before column 0 keeps its columns from 0 on (indices column -
+    start): nothing before the row is read or selected."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    starts, lengths = i32([-2, -5]), i32([1, 10])
+    out = run_op(face, "topk_indices", logits, lengths, 8, starts)
+    check_both(logits, lengths, 8, starts, out)
+    assert out[0].tolist() == [-1] * 8
+    assert sorted(out[1].tolist()) == [-1, -1, -1, 5, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
 def test_empty(face):
     assert run_op(face, "topk_indices", torch.zeros(0, 5), i32([]), 4).shape == (0, 4)
     out = run_op(face, "topk_indices", torch.zeros(2, 0), i32([3, 0]), 4)
