@@ -172,6 +172,18 @@ def test_topk_scored_through_every_path(margin, search):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test")
 @pytest.mark.interpret
+@pytest.mark.parametrize("margin", [-100.0, 1e9])
+def test_lowest_ties_on_a_streamed_row_in_wide_tiles(margin):
+    """A row streamed (too few candidates, or a region overflowing) in tiles of two rows
+    (block 128 over 64 columns): of the keys tied at the k-th value, the lowest positions,
+    not the first in the tile's column order."""
+    n, k = 600, 40
+    check_scored_launch(torch.zeros(1, n), i32([n]), k, "trisect", parts=2, block=128,
+                        select_cap=64, margin=margin)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test")
+@pytest.mark.interpret
 @settings(max_examples=20)
 @given(case=scored_cases(max_rows=3, max_cols=400), parts=st.sampled_from([1, 2, 4]),
        block=st.sampled_from([32, 128]), cap=st.sampled_from([16, 64, 128]),
