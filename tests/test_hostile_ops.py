@@ -229,6 +229,27 @@ def test_out_of_range_positions_and_padding_tokens_write_and_select_nothing(devi
     assert sorted(indices[0][indices[0] >= 0].tolist()) != []
 
 
+def test_prefill_built_while_tracing_selects_nothing_for_invalid_positions():
+    """Built under torch.compile (the values fake, so no host check reads the positions), a
+    prefill token at a position past max_model_len writes no K and selects nothing; the
+    others select as usual."""
+    cfg = dsa.IndexerConfig(max_num_reqs=2, max_num_batched_tokens=8, max_model_len=256,
+                            num_heads=64, head_dim=128, topk=32, block_size=64, num_blocks=8)
+    table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    layer, _ = _layer_and_batch("cpu", cfg, table, [3, 2])
+    batch = dsa.Batch(query_start_loc=i32([0, 3, 5]), seq_lens=i32([3, 2]),
+                      block_table=table.int(), slot_mapping=torch.tensor([0, 1, 2, 256, 257]),
+                      positions=torch.tensor([0, 1, 999, 0, 1]))
+    build = torch.compile(lambda b: dsa.build_prefill_metadata(
+        cfg, b, seq_lens_cpu=[3, 2], query_start_loc_cpu=[0, 3, 5]), backend="aot_eager")
+    meta = build(batch)
+    assert meta.valid_tokens.tolist() == [True, True, False, True, True]
+    out = layer(torch.randn(5, 64, dtype=torch.bfloat16), torch.randn(5, 32, dtype=torch.bfloat16),
+                batch.positions, meta)
+    assert (out.indices[2] == -1).all() and (out.slots[2] == -1).all()
+    assert [int((row >= 0).sum()) for row in out.indices] == [1, 2, 0, 1, 2]
+
+
 @pytest.mark.gpu
 def test_prefill_checks_device_block_ids_decode_does_not_sync():
     """Prefill syncs anyway, so it reads device values: a block id outside the cache raises
