@@ -41,6 +41,12 @@ class YarnScaling:
     mscale_all_dim: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                     "mscale", "mscale_all_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
+                    value):
+                raise ValueError(f"YarnScaling: {name} must be a finite number, got {value!r}")
         if not self.factor >= 1:
             raise ValueError(f"YarnScaling: factor must be >= 1, got {self.factor!r}")
         if self.original_max_position_embeddings < 1:

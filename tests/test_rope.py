@@ -127,6 +127,8 @@ def test_hf_rope_scaling_spellings():
     ({**V32_ROPE_SCALING, "attention_factor": 2.0},
      r"unsupported yarn keys \['attention_factor'\]"),
     ({**V32_ROPE_SCALING, "factor": 0.5}, "factor must be >= 1"),
+    ({**V32_ROPE_SCALING, "factor": "40"}, "factor must be a finite number, got '40'"),
+    ({**V32_ROPE_SCALING, "mscale": float("nan")}, "mscale must be a finite number, got nan"),
 ])
 def test_bad_rope_scaling_raises(hf, match):
     with pytest.raises(ValueError, match=match):
