@@ -191,6 +191,9 @@ class Indexer(nn.Module):
 
         rope_parameters = dict(config.get("rope_parameters") or {})
         theta = rope_parameters.pop("rope_theta", None)
+        if None not in (theta, config.get("rope_theta")) and theta != config["rope_theta"]:
+            raise ValueError(f"Indexer.from_hf_config: rope_theta ({config['rope_theta']!r}) and "
+                             f"rope_parameters.rope_theta ({theta!r}) disagree")
         theta = theta if config.get("rope_theta") is None else config["rope_theta"]
         if theta is None:
             raise ValueError("Indexer.from_hf_config: the config has no 'rope_theta' (nor "

@@ -335,6 +335,13 @@ def test_from_hf_config_reads_config_objects_and_checks_fields():
                                          "absent, got 'false'"):
         dsa.Indexer.from_hf_config({**HF_CONFIG, "indexer_rope_interleave": "false"}, **LIMITS,
                                    num_blocks=8)
+    theta = HF_CONFIG["rope_theta"]
+    both = {**HF_CONFIG, "rope_parameters": {"rope_theta": theta}}
+    assert dsa.Indexer.from_hf_config(both, **LIMITS, num_blocks=8) is not None
+    with pytest.raises(ValueError, match=r"rope_theta .* and rope_parameters.rope_theta .* "
+                                         r"disagree"):
+        dsa.Indexer.from_hf_config({**both, "rope_parameters": {"rope_theta": 2 * theta}},
+                                   **LIMITS, num_blocks=8)
 
 
 @pytest.mark.parametrize(("change", "error", "match"), [
