@@ -60,6 +60,5 @@ def host_built_decode_metadata(cfg: IndexerConfig, batch: Batch, query_start_loc
         schedule_lens=schedule_lens,
         schedule=schedule,
         max_context_len=max_context_len(cfg),
-        num_blocks=cfg.num_blocks,
         built_for=cfg.metadata_key(),
     )

@@ -22,8 +22,7 @@ from dsa.ops.logits import paged_backend
 ops = torch.ops.dsa
 
 
-@pytree_dataclass("layout", "next_n", "logits_backend", "max_context_len", "num_blocks",
-                  "built_for")
+@pytree_dataclass("layout", "next_n", "logits_backend", "max_context_len", "built_for")
 @dataclass(frozen=True)
 class DecodeMetadata:
     """Everything the indexer's decode leaves need, shared by all layers of a step.
@@ -57,8 +56,6 @@ class DecodeMetadata:
             (the lengths its kernel and ``schedule`` see), else ``None``.
         schedule: DeepGEMM schedule for ``schedule_lens`` when DeepGEMM computes the logits.
         max_context_len: static width of a logits row.
-        num_blocks: the K-cache size the lengths were capped to (``cfg.num_blocks``; None:
-            unknown, only negative block ids and the table width cap them).
         built_for: ``cfg.metadata_key()`` of the config it was built from (a layer refuses
             metadata built for another cache, layout or parallelism).
     """
@@ -79,8 +76,13 @@ class DecodeMetadata:
     schedule_lens: Tensor | None
     schedule: Tensor | None
     max_context_len: int
-    num_blocks: int | None
     built_for: tuple[tuple[str, object], ...]
+
+    @property
+    def num_blocks(self) -> int | None:
+        """The K-cache size the lengths were capped to (``cfg.num_blocks``; None: unknown,
+        only negative block ids and the table width cap them)."""
+        return dict(self.built_for)["num_blocks"]
 
     @property
     def num_tokens(self) -> int:
@@ -131,7 +133,7 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
     return DecodeMetadata(layout=cfg.layout, next_n=next_n, query_start_loc=qsl,
                           request_block_table=request_table, kpool_slot_mapping=kpool_slots,
                           logits_backend=backend, max_context_len=width,
-                          num_blocks=cfg.num_blocks, built_for=cfg.metadata_key(), **leaves)
+                          built_for=cfg.metadata_key(), **leaves)
 
 
 # Without ``cfg.num_blocks``, any non-negative block id counts as inside the cache.

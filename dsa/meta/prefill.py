@@ -67,7 +67,7 @@ class PrefillChunk:
     global_lens: Tensor
 
 
-@pytree_dataclass("logits_backend", "num_blocks", "built_for")
+@pytree_dataclass("logits_backend", "built_for")
 @dataclass(frozen=True)
 class PrefillMetadata:
     """The chunks of a step's prefill requests and where their K goes.
@@ -81,8 +81,6 @@ class PrefillMetadata:
         valid_tokens: bool ``[T]``, a real token (not padding) at a position in
             ``[0, max_model_len)``; no other token writes K or selects keys.
         logits_backend: "deepgemm" or "triton", the ragged-logits implementation.
-        num_blocks: the K-cache size the block ids were checked against (``cfg.num_blocks``;
-            None: unknown).
         built_for: ``cfg.metadata_key()`` of the config it was built from.
     """
 
@@ -92,8 +90,13 @@ class PrefillMetadata:
     token_requests: Tensor
     valid_tokens: Tensor
     logits_backend: str
-    num_blocks: int | None
     built_for: tuple[tuple[str, object], ...]
+
+    @property
+    def num_blocks(self) -> int | None:
+        """The K-cache size the block ids were checked against (``cfg.num_blocks``; None:
+        unknown)."""
+        return dict(self.built_for)["num_blocks"]
 
 
 def build_prefill_metadata(
@@ -183,7 +186,6 @@ def build_prefill_metadata(
         valid_tokens=valid,
         logits_backend=ragged_backend(cfg.logits_backend, batch.seq_lens.device, cfg.num_heads,
                                       cfg.head_dim),
-        num_blocks=cfg.num_blocks,
         built_for=cfg.metadata_key(),
     )
 
