@@ -83,7 +83,8 @@ class Indexer(nn.Module):
     The K cache has ``cfg.num_blocks`` blocks (required): metadata built from a config with
     the same ``num_blocks`` keeps every length, and so every selection, inside the cache.
     ``forward`` refuses metadata built from a config that differs in any field the metadata
-    depends on (``IndexerConfig.metadata_key``: the cache, layout, parallelism, backend).
+    depends on (``IndexerConfig.metadata_key``: the cache, layout, parallelism, model
+    length).
 
     Weights load from a DeepSeek state dict: ``wq_b.weight``, ``wk.weight``,
     ``k_norm.weight``, ``k_norm.bias``, ``weights_proj.weight`` (``load_state_dict``), or
@@ -191,10 +192,12 @@ class Indexer(nn.Module):
 
         rope_parameters = dict(config.get("rope_parameters") or {})
         theta = rope_parameters.pop("rope_theta", None)
-        if None not in (theta, config.get("rope_theta")) and theta != config["rope_theta"]:
-            raise ValueError(f"Indexer.from_hf_config: rope_theta ({config['rope_theta']!r}) and "
-                             f"rope_parameters.rope_theta ({theta!r}) disagree")
-        theta = theta if config.get("rope_theta") is None else config["rope_theta"]
+        top = config.get("rope_theta")
+        if top is not None:
+            if theta not in (None, top):
+                raise ValueError(f"Indexer.from_hf_config: rope_theta ({top!r}) and "
+                                 f"rope_parameters.rope_theta ({theta!r}) disagree")
+            theta = top
         if theta is None:
             raise ValueError("Indexer.from_hf_config: the config has no 'rope_theta' (nor "
                              "rope_parameters.rope_theta; a DeepSeek V3.2 config.json is "
