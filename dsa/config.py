@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from dsa.ops._checks import is_int
 from dsa.ops.logits.common import LOGITS_BACKENDS
 from dsa.ops.logits.deepgemm import PAGED_NEXT_N as DEEPGEMM_NEXT_N
 
@@ -104,7 +105,7 @@ class IndexerConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"IndexerConfig: {name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
-        if isinstance(self.dcp_rank, bool) or not isinstance(self.dcp_rank, int) or not (
+        if not is_int(self.dcp_rank) or not (
             0 <= self.dcp_rank < self.dcp_world
         ):
             raise ValueError(
@@ -197,7 +198,7 @@ def hf_config_dict(config: object, caller: str) -> Mapping[str, Any]:
 
 
 def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"IndexerConfig: {name} must be a positive int, got {value!r}")
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsa.config import hf_config_dict
+from dsa.ops._checks import is_int
 
 FULL, SHARED = "F", "S"
 SKIP_TOPK_OFFSET = 2  # vLLM's and SGLang's default ``index_skip_topk_offset``
@@ -55,7 +56,7 @@ class IndexShare:
         """
         for name, value, low in (("num_layers", num_layers, 1), ("freq", freq, 1),
                                  ("offset", offset, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"IndexShare.every: {name} must be an int >= {low}, "
                                  f"got {value!r}")
         return cls("".join(FULL if max(i - offset + 1, 0) % freq == 0 else SHARED
@@ -105,8 +106,7 @@ class IndexShare:
 
     def is_full(self, layer: int) -> bool:
         """Whether ``layer`` (``0 .. num_layers - 1``) runs its own indexer."""
-        if isinstance(layer, bool) or not isinstance(layer, int) or not (
-                0 <= layer < self.num_layers):
+        if not is_int(layer) or not 0 <= layer < self.num_layers:
             raise ValueError(f"IndexShare.is_full: layer must be an int in [0, "
                              f"{self.num_layers}), got {layer!r}")
         return self.pattern[layer] == FULL

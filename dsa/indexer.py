@@ -16,7 +16,7 @@ from dsa.config import IndexerConfig, hf_config_dict
 from dsa.meta.decode import DecodeMetadata
 from dsa.meta.prefill import PrefillMetadata
 from dsa.ops import block_fp8
-from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor
+from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor, is_int
 from dsa.ops.dcp import owned_indices
 from dsa.ops.project import KERNEL_TOKENS, project_torch
 from dsa.ops.quant import FLOAT_DTYPES
@@ -407,7 +407,7 @@ def _check_layer_args(cfg: object, hidden_size: object, q_lora_rank: object,
     if not isinstance(cfg, IndexerConfig):
         raise TypeError(f"Indexer: `cfg` must be a dsa.IndexerConfig, got {type(cfg).__name__}")
     for name, value in (("hidden_size", hidden_size), ("q_lora_rank", q_lora_rank)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"Indexer: `{name}` must be a positive int, got {value!r}")
     if (isinstance(rope_theta, bool) or not isinstance(rope_theta, int | float)
             or not rope_theta > 0 or rope_theta == float("inf")):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dsa.ops._checks import is_int
+
 
 def capture_sizes(max_num_reqs: int, *, step: int = 8) -> tuple[int, ...]:
     """Buckets 1, 2, 4, then multiples of ``step`` up to ``max_num_reqs`` (always included).
@@ -11,8 +13,7 @@ def capture_sizes(max_num_reqs: int, *, step: int = 8) -> tuple[int, ...]:
     Small batches get tight buckets (padding there costs the most, relatively); larger ones
     step linearly, as inference engines do.
     """
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1
-           for v in (max_num_reqs, step)):
+    if not all(is_int(v) and v >= 1 for v in (max_num_reqs, step)):
         raise ValueError(f"capture_sizes: max_num_reqs and step must be ints >= 1, got "
                          f"{max_num_reqs!r} and {step!r}")
     sizes = {s for s in (1, 2, 4) if s <= max_num_reqs}
@@ -23,7 +24,7 @@ def capture_sizes(max_num_reqs: int, *, step: int = 8) -> tuple[int, ...]:
 
 def bucket_for(num_reqs: int, sizes: Sequence[int]) -> int:
     """The smallest capture size that holds ``num_reqs`` (>= 0) requests."""
-    if isinstance(num_reqs, bool) or not isinstance(num_reqs, int) or num_reqs < 0:
+    if not is_int(num_reqs) or num_reqs < 0:
         raise ValueError(f"bucket_for: num_reqs must be an int >= 0, got {num_reqs!r}")
     if not sizes:
         raise ValueError("bucket_for: no capture sizes")

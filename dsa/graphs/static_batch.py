@@ -10,6 +10,7 @@ from torch import Tensor
 
 from dsa.meta.batch import Batch
 from dsa.ops import FACES
+from dsa.ops._checks import is_int
 from dsa.ops.pad import LIVE_DTYPES, MAX_ROW_INPUTS, pad_batch_launch
 
 TokenInputs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
@@ -94,7 +95,7 @@ class StaticBatch:
 
     def _check_room(self, method: str, num_reqs: int, num_tokens: int) -> None:
         for name, value in (("num_reqs", num_reqs), ("num_tokens", num_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value):
                 raise TypeError(f"StaticBatch.{method}: `{name}` must be an int, got "
                                 f"{type(value).__name__}")
         if not (0 <= num_reqs <= self.num_reqs and 0 <= num_tokens <= self.num_tokens):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
+from dsa.ops._checks import is_int
+
 LOGIT_BYTES = 4  # fp32
 
 
@@ -31,7 +33,7 @@ def _lengths(name: str, values: Sequence[int]) -> list[int]:
 
 
 def _budget(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"dsa.split_prefill_chunks: `{name}` must be an int, "
                         f"got {type(value).__name__}")
     if value < 1:

@@ -21,7 +21,7 @@ from dsa.meta.batch import (
     token_writes,
 )
 from dsa.meta.chunking import split_prefill_chunks
-from dsa.ops._checks import values_readable
+from dsa.ops._checks import is_int, values_readable
 from dsa.ops.dcp import local_share
 from dsa.ops.logits import ragged_backend
 
@@ -134,8 +134,7 @@ def build_prefill_metadata(
         batch.seq_lens, debug=True
     ):
         _check_host_copies(batch, seq_host, qsl_host)
-    if isinstance(num_decodes, bool) or not isinstance(num_decodes, int) or not (
-            0 <= num_decodes <= num_reqs):
+    if not is_int(num_decodes) or not 0 <= num_decodes <= num_reqs:
         raise ValueError(f"dsa.build_prefill_metadata: `num_decodes` must be in [0, {num_reqs}], "
                          f"got {num_decodes}")
 
@@ -209,7 +208,7 @@ def _host_list(x: Sequence[int] | Tensor) -> list[int]:
                          f"tensor or a sequence of ints, got a {x.dtype} tensor of shape "
                          f"{tuple(x.shape)}")
     values = x.tolist() if isinstance(x, Tensor) else list(x)
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+    if not all(is_int(v) and v >= 0 for v in values):
         raise ValueError(f"dsa.build_prefill_metadata: host lengths must be ints >= 0, got "
                          f"{values}")
     return values

@@ -57,11 +57,16 @@ def check_size(op: str, name: str, t: Tensor, dim: int, expected: int, what: str
         )
 
 
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an int, not a bool (an int to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_int(op: str, name: str, value: object, *, low: int | None = None) -> int:
     """Checks that ``value`` is an int (not a bool) and at least ``low``."""
     if isinstance(value, torch.SymInt):
         raise TypeError(f"dsa.{op}: `{name}` must be a static int, got a SymInt: {STATIC_SIZES}")
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"dsa.{op}: `{name}` must be an int, got {type(value).__name__}")
     if low is not None and value < low:
         raise ValueError(f"dsa.{op}: `{name}` must be >= {low}, got {value}")
