@@ -114,8 +114,10 @@ def face_tests(check: Callable[..., None], cpu: dict[str, SearchStrategy],
 
 
 def strided_rows(table: torch.Tensor, extra: int = 3) -> torch.Tensor:
-    """The same values as ``table`` in a row-strided view (stride(0) > width)."""
-    wide = torch.full((table.shape[0], table.shape[1] + extra), 12345, dtype=table.dtype)
+    """The same values as ``table`` in a row-strided view (stride(0) > width). The entries
+    past the width hold block 1, inside any test cache of two blocks or more: a kernel that
+    reads past the width then writes or selects where it must not, visibly."""
+    wide = torch.full((table.shape[0], table.shape[1] + extra), 1, dtype=table.dtype)
     wide[:, : table.shape[1]] = table
     return wide[:, : table.shape[1]]
 

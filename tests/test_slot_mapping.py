@@ -69,6 +69,15 @@ def test_compressed_every_token_writes_with_ratio_one(face):
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
+def test_compressed_blocks_past_a_narrow_table_write_nothing(face):
+    """bs = 2, R = 1, a table of one column (rows strided, block 1 past the width): states
+    2 and 3 fall in column 1, past the table, and write nothing."""
+    out = run_op(face, "compressed_slot_mapping", i32([0, 4]), i32([4]),
+                 strided_rows(i32([[3]])), 4, 2, 1, 1, 0, 1)
+    assert out.tolist() == [6, 7, -1, -1]
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
 def test_compressed_negative_positions_write_nothing(face):
     """seq_len < query_len (malformed): the first tokens have negative positions."""
     out = run_op(face, "compressed_slot_mapping", i32([0, 4]), i32([2]), i32([[3]]), 4, 4, 1,

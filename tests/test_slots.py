@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import reference_compute as ref
 import torch
-from faces import FACE_NAMES, i32, run_op, validation_test
+from faces import FACE_NAMES, i32, run_op, strided_rows, validation_test
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -69,6 +69,17 @@ def test_indices_to_slots_example(face):
                        want_7)
     # no block is inside an empty cache
     assert (run_op(face, "indices_to_slots", indices, table, requests, 64, 0) == -1).all()
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_indices_past_a_narrow_table_give_minus_one(face):
+    """Positions past the table's width have no block (rows strided, block 1 past the
+    width, inside the cache): -1, whatever lies beyond the row."""
+    table = strided_rows(i32([[3, 7], [5, 2]]))
+    indices = i32([[0, 127, 128, 200], [64, 191, 192, 255]])
+    want = i32([[192, 511, -1, -1], [128, -1, -1, -1]])
+    assert torch.equal(run_op(face, "indices_to_slots", indices, table, i32([0, 1]), 64, 8),
+                       want)
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
