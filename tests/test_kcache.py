@@ -111,12 +111,14 @@ def test_cache_write_round_trip(face, ue8m0):
 
 @pytest.mark.parametrize("face", FACE_NAMES)
 def test_cache_write_skips_invalid_slots(face):
+    """Nothing is written, not even past the cache's end (the cache is the first 3 of 5
+    blocks of one allocation, so a write past it lands in memory the test can see)."""
     gen = torch.Generator().manual_seed(2)
-    cache = random_cache(gen, 3, 8, 16)
-    before = cache.clone()
-    slots = torch.tensor([-1, 24, 25, 10**12, -(2**62)])
-    write_cache(face, torch.randn(5, 16), cache, slots)
-    assert torch.equal(cache, before)
+    storage = random_cache(gen, 5, 8, 16)
+    before = storage.clone()
+    for slots in (torch.tensor([-1, 24, 25, 39]), torch.tensor([10**12, -(2**62)])):
+        write_cache(face, torch.randn(len(slots), 16), storage[:3], slots)
+        assert torch.equal(storage, before)
 
 
 @KERNEL_MARK
@@ -250,12 +252,13 @@ def test_gather_k_strided_block_table():
     cache = random_cache(gen, 8, 4, 16)
     wide = torch.randint(0, 8, (3, 10), generator=gen, dtype=torch.int32)
     cu = torch.tensor([0, 5, 9, 20], dtype=torch.int32)
-    table = wide[:, :6]
-    want = run_op("cpu", "gather_k", cache, table.contiguous(), cu, 22)
-    for face in ("cpu", "kernel"):
-        got = run_op(face, "gather_k", cache, table, cu, 22)
-        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
-        assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
+    for width in (6, 2):  # 2: request 2's rows 8-10 lie past the table (blocks beyond it)
+        table = wide[:, :width]
+        want = run_op("cpu", "gather_k", cache, table.contiguous(), cu, 22)
+        for face in ("cpu", "kernel"):
+            got = run_op(face, "gather_k", cache, table, cu, 22)
+            assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+            assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
 
 
 def test_gather_k_opcheck():
