@@ -215,9 +215,9 @@ def prefill_chunk_bounds(qsl: Sequence[int], seq_lens: Sequence[int], req_start:
     local = lambda n: dcp_local(n, world, rank, interleave)
     reqs = range(req_start, req_end)
     cu, local_cu = [0], [0]
-    for r in reqs:
-        cu.append(cu[-1] + seq_lens[r] // ratio)
-        local_cu.append(local_cu[-1] + local(seq_lens[r] // ratio))
+    for r in reqs:  # a negative length (a device value, malformed) counts as 0
+        cu.append(cu[-1] + max(seq_lens[r], 0) // ratio)
+        local_cu.append(local_cu[-1] + local(max(seq_lens[r], 0) // ratio))
 
     token_to_seq = [-1] * num_rows
     for k in range(len(reqs)):

@@ -129,6 +129,15 @@ def test_pack_then_unpack_gives_back_the_tokens(face):
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
+def test_pack_reads_no_row_past_the_tokens(face):
+    """query_start_loc claims 4 tokens, x holds 3 (the first 3 rows of a larger
+    allocation): the missing token's slot packs 0, not the row after x."""
+    storage = torch.arange(1, 5 * 2 + 1, dtype=torch.int32).reshape(5, 2)
+    packed = run_op(face, "pack_decode_rows", storage[:3], i32([0, 2, 4]), 2)
+    assert packed.tolist() == [[[1, 2], [3, 4]], [[5, 6], [0, 0]]]
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
 def test_unpack_fp8_fill_is_cast(face):
     y = torch.full((1, 2, 3), 2.0).to(torch.float8_e4m3fn)
     out = run_op(face, "unpack_decode_rows", y, i32([0, 1]), 2, -1)

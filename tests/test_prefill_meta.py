@@ -47,6 +47,19 @@ def test_dcp_compressed_example(face):
     assert ke.tolist() == [2, 2, 2, 3]
 
 
+@pytest.mark.parametrize("face", FACE_NAMES)
+@pytest.mark.parametrize(("ratio", "world", "rank"), [(1, 1, 0), (2, 2, 1), (4, 2, 0)])
+def test_malformed_lengths_count_as_empty(face, ratio, world, rank):
+    """Device values the op cannot check: a negative length adds no rows, and a sequence
+    shorter than its query (request 2: 1 key, 3 queries) gives its early queries no keys."""
+    qsl, seq = [0, 2, 4, 7], [5, -9, 1]
+    outs = run_op(face, "prefill_chunk_bounds", i32(qsl), i32(seq), 0, 3, 0, 7, 8, ratio,
+                  world, rank, 1)
+    want = ref.prefill_chunk_bounds(qsl, seq, 0, 3, 0, 7, 8, ratio, world, rank, 1)
+    assert [out.tolist() for out in outs] == list(want)
+    assert want[0][1:3] == [5 // ratio] * 2 and want[5][4:6] == [0, 0]
+
+
 @st.composite
 def chunk_cases(draw: st.DrawFn, max_reqs: int = 4):
     """A batch, one chunk of its requests, a query slice of the chunk (maybe running past
