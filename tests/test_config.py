@@ -76,3 +76,21 @@ def test_mxfp4_needs_blackwell():
 
 def test_interleave_without_dcp_is_harmless():
     assert IndexerConfig(**LIMITS, dcp_interleave=4).dcp_interleave == 4
+
+
+def test_compress_ratio_may_equal_max_model_len():
+    """compress_ratio up to max_model_len is valid (a longest sequence has one state); one
+    more is not."""
+    cfg = IndexerConfig(**LIMITS, compress_ratio=4096)
+    assert cfg.max_blocks_per_req == 1
+    with pytest.raises(ValueError, match="compress_ratio must be <= max_model_len=4096"):
+        IndexerConfig(**LIMITS, compress_ratio=4097)
+
+
+@pytest.mark.parametrize(("max_model_len", "ratio", "blocks"),
+                         [(4097, 1, 65), (4100, 4, 17), (100, 1, 2), (63, 1, 1)])
+def test_max_blocks_per_req_counts_a_partial_last_block(max_model_len, ratio, blocks):
+    """A request of max_model_len tokens spans ceil((max_model_len // R) / block_size)
+    blocks: a partial last block is a block."""
+    cfg = IndexerConfig(**{**LIMITS, "max_model_len": max_model_len}, compress_ratio=ratio)
+    assert cfg.max_blocks_per_req == blocks

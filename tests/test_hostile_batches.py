@@ -399,3 +399,23 @@ def test_errors_under_compile_arrive_wrapped_by_dynamo():
         assert message in str(info.value)
         with torch.compiler.set_stance("force_eager"), pytest.raises(original, match=message):
             compiled()
+
+
+def test_block_table_must_cover_the_kernel_blocks():
+    """Kernel blocks 4 times smaller than the indexer's: the engine's table needs 4 entries
+    per indexer block; a table only as wide as the indexer's blocks is refused."""
+    cfg = config(max_model_len=256, block_size=64, kernel_block_size=16)  # 4 indexer blocks
+    batch = dsa.Batch(torch.tensor([0, 1], **I32), torch.tensor([100], **I32),
+                      torch.zeros(1, 4, **I32), torch.tensor([-1]), torch.tensor([99]))
+    for builder in (dsa.build_decode_metadata, dsa.build_prefill_metadata):
+        with pytest.raises(ValueError, match="`block_table` must have at least 16 columns"):
+            builder(cfg, batch)
+
+
+def test_live_outputs_keeps_tensors_that_are_not_token_major():
+    """Only tensors whose leading dim is the bucket's token capacity are cut; others, even
+    at least as long as the live tokens, stay whole."""
+    got = live_outputs({"tokens": torch.arange(8), "requests": torch.arange(4),
+                        "schedule": torch.zeros(9, 2)}, capacity=8, live_tokens=2)
+    assert got["tokens"].tolist() == [0, 1]
+    assert got["requests"].tolist() == [0, 1, 2, 3] and got["schedule"].shape == (9, 2)

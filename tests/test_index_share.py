@@ -166,3 +166,18 @@ def test_shared_layers_replay_in_one_cuda_graph():
             for field in ("indices", "slots"):
                 assert torch.equal(getattr(got[layer], field),
                                    getattr(want[source], field)[: live.num_tokens]), layer
+
+
+def test_from_hf_config_ignores_patterns_while_index_cache_is_off():
+    """use_index_cache false (vLLM's switch off): every layer full, whatever pattern or freq
+    the config also holds."""
+    base = {"num_hidden_layers": 4, "index_topk_pattern": "FSFS", "index_topk_freq": 2}
+    assert dsa.IndexShare.from_hf_config({**base, "use_index_cache": False}).pattern == "FFFF"
+    assert dsa.IndexShare.from_hf_config({**base, "use_index_cache": True}).pattern == "FSFS"
+
+
+def test_index_topk_pattern_longer_than_the_layers_raises():
+    """index_topk_pattern needs exactly one letter per layer: a longer one is refused too."""
+    config = {"num_hidden_layers": 3, "use_index_cache": True, "index_topk_pattern": "FSFS"}
+    with pytest.raises(ValueError, match=r"one 'F' or 'S' per layer \(3\), got 4"):
+        dsa.IndexShare.from_hf_config(config)

@@ -269,3 +269,60 @@ def test_decode_step_adjusts_no_lengths(monkeypatch, backend, layout, next_n):
     calls = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
     assert not [c for c in calls if "where" in c or "clamp" in c], calls
     assert any("paged_mqa_logits" in c for c in calls)
+
+
+def test_indexer_refuses_metadata_of_another_dcp_rank():
+    """Under DCP each rank's metadata holds its own share of the keys: a layer of rank 0
+    refuses metadata built for rank 1 of the same group, naming dcp_rank."""
+    cfg = make_config(dcp_world=2)
+    layer = dsa.Indexer(cfg, hidden_size=8, q_lora_rank=8, rope_dim=32, dtype=torch.float32)
+    batch = dsa.Batch(query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                      seq_lens=torch.tensor([5], dtype=torch.int32),
+                      block_table=torch.zeros(1, cfg.max_blocks_per_req // 2, dtype=torch.int32),
+                      slot_mapping=torch.tensor([-1]), positions=torch.tensor([4]))
+    meta = dsa.build_decode_metadata(dataclasses.replace(cfg, dcp_rank=1), batch)
+    with pytest.raises(ValueError, match=r"built for dcp_rank=1, the layer has dcp_rank=0"):
+        layer(torch.randn(1, 8), torch.randn(1, 8), batch.positions, meta)
+    meta = dsa.build_decode_metadata(cfg, batch)
+    assert layer(torch.randn(1, 8), torch.randn(1, 8), batch.positions, meta).indices.shape == (
+        1, cfg.topk)
+
+
+def test_rope_may_cover_the_whole_head():
+    """rope_dim == head_dim is valid (RoPE on every dim) and runs; odd, 0 or past head_dim
+    is not."""
+    cfg = make_config()
+    layer = dsa.Indexer(cfg, hidden_size=8, q_lora_rank=8, rope_dim=cfg.head_dim,
+                        dtype=torch.float32)
+    assert layer.rope_cos_sin.shape == (cfg.max_model_len, cfg.head_dim)
+    batch = dsa.Batch(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
+                      torch.zeros(1, cfg.max_blocks_per_req, dtype=torch.int32),
+                      torch.tensor([4]), torch.tensor([4]))
+    out = layer(torch.randn(1, 8), torch.randn(1, 8), batch.positions,
+                dsa.build_decode_metadata(cfg, batch))
+    assert sorted(out.indices[0, :5].tolist()) == [0, 1, 2, 3, 4]
+    for bad in (cfg.head_dim + 2, 0, 31):
+        with pytest.raises(ValueError, match="rope_dim must be even and in"):
+            dsa.Indexer(cfg, hidden_size=8, q_lora_rank=8, rope_dim=bad)
+
+
+def test_unchecked_out_of_range_position_selects_nothing():
+    """Traced metadata (values unread) leaves a real token at a position outside
+    [0, max_model_len) out of valid_tokens; in the packed native layout the layer then
+    gives it no index and no slot, though its request's row has keys to select."""
+    torch._dynamo.reset()
+    cfg = make_config(next_n=2)
+    layer = make_layer(cfg)
+    width = cfg.max_blocks_per_req
+    batch = dsa.Batch(torch.tensor([0, 2, 3], dtype=torch.int32),
+                      torch.tensor([20, 5], dtype=torch.int32),
+                      torch.arange(2 * width, dtype=torch.int32).view(2, width),
+                      torch.tensor([18, -1, width * 16 + 4]),
+                      torch.tensor([18, cfg.max_model_len, 4]))
+    build = torch.compile(lambda b: dsa.build_decode_metadata(cfg, b), fullgraph=True,
+                          backend="aot_eager")
+    meta = build(batch)
+    assert meta.packed and meta.valid_tokens.tolist() == [True, False, True]
+    out = layer(torch.randn(3, HIDDEN), torch.randn(3, Q_LORA_RANK), batch.positions, meta)
+    assert (out.indices[1] == -1).all() and (out.slots[1] == -1).all()
+    assert (out.indices[0] >= 0).sum() == cfg.topk  # its neighbour, valid, selects

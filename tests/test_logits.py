@@ -541,3 +541,15 @@ def test_chooser_validation(chooser, backend, match):
                     "ragged": (ragged_logits, _mqa_args)}[chooser]
     with pytest.raises(ValueError, match=match):
         choose(*args().values(), backend=backend)
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_mqa_logits_rows_starting_before_the_workspace(face):
+    """A row whose span starts before key 0 (ks < 0) scores only the keys inside the
+    workspace: its columns before key 0 are -inf on every face."""
+    case = mqa_case(2, [40, 60, 7], [9, 5, 3], 16, 32, extra_rows=((-20, 30), (-5, 2)))
+    dequantised, exact = mqa_references(case, 70)
+    with ref.poisoned_empty():
+        out = run_op(face, "mqa_logits", *case[0], 70)
+    check_logits(out, dequantised, exact)
+    assert torch.isneginf(out[-2, :20]).all() and torch.isfinite(out[-2, 20:50]).all()

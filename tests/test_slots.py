@@ -27,7 +27,7 @@ def slots_case(gen, rows, k, num_reqs, width, block_size, num_blocks=50):
     huge = torch.tensor(HUGE, dtype=torch.int32)[torch.randint(0, len(HUGE), table.shape,
                                                                generator=gen)]
     table = torch.where(torch.rand(table.shape, generator=gen) < 0.1, huge, table)
-    row_requests = torch.randint(-1, num_reqs + 2, (rows,), generator=gen, dtype=torch.int32)
+    row_requests = torch.randint(-3, num_reqs + 2, (rows,), generator=gen, dtype=torch.int32)
     return indices, table, row_requests
 
 
@@ -126,3 +126,12 @@ test_indices_to_slots_validation = validation_test([
     ((IDX, TABLE, REQS, 64, -1), ValueError, "`num_blocks` must be >= 0"),
     ((IDX, TABLE, REQS, 64, 2**25 + 1), ValueError, "slots must fit int32"),
 ], op="indices_to_slots")
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_indices_to_slots_requests_below_minus_one_give_minus_one(face):
+    """A row whose request is negative (not only -1) reads no block-table row."""
+    table = i32([[3, 7], [5, 2]])
+    indices = i32([[0, 65], [1, 64], [2, 127]])
+    out = run_op(face, "indices_to_slots", indices, table, i32([-2, -3, 1]), 64, 8)
+    assert out.tolist() == [[-1, -1], [-1, -1], [322, 191]]

@@ -374,3 +374,11 @@ test_validation = validation_test([
                         False), ValueError, "W \\* k must be <= 32768"),
 ])
 
+
+
+def test_no_rank_owns_a_negative_position():
+    """Every negative entry, not only -1, is owned by no rank (floor division alone would
+    give -4 to rank 2 of 3 as its local -2)."""
+    positions = i32([[-1, -3, -4, -7, 5]])
+    for rank in range(3):
+        assert owned_indices(positions, 3, rank)[0, :4].tolist() == [-1] * 4
