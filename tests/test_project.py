@@ -233,6 +233,21 @@ def test_project_interleaved_rope(face, tokens):
 
 
 @pytest.mark.parametrize("face", FACE_NAMES)
+def test_project_head_dim_not_a_power_of_two(face):
+    """Without the Hadamard rotation head_dim need not be a power of two: k's LayerNorm
+    statistics run over its D columns only, not the padding of the kernel's power-of-two
+    tile (wk's rows share a component, so k's mean is large against its spread)."""
+    args = project_case(5, 3, 96, 64, 2, 24, rope_dim=12, hadamard=False)
+    wk = args[3].float()
+    shared = torch.randn(1, wk.shape[1], generator=torch.Generator().manual_seed(6))
+    args = (*args[:3], (wk + shared * 4 * wk.shape[1] ** -0.5).to(args[3].dtype), *args[4:])
+    got = run_project(face, args)
+    if face == "cpu":
+        assert_same_outputs(got, the_chain(args))
+    else:
+        assert_faces_close(got, args)
+
+@pytest.mark.parametrize("face", FACE_NAMES)
 @pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_project_cancelled_head_weight(face, tokens, dtype):

@@ -155,6 +155,21 @@ def test_quantize_q_ue8m0_scales_are_powers_of_two(face):
     assert (mantissa == 0.5).all()
 
 
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_quantize_q_ue8m0_keeps_exact_powers_of_two(face):
+    """A ue8m0 scale is amax / 448 rounded up to a power of two only where it is not one
+    already: amax 448 keeps scale 1 and amax -28 scale 2**-4 (their largest magnitudes code
+    ±448: 0x7E, 0xFE); amax 300 rounds up to 1."""
+    q = torch.tensor([[[448.0, -3.0, 1.0, 0.0], [-28.0, 2.0, 0.5, 1.0],
+                       [300.0, 7.0, -1.0, 0.25]]])
+    weights = torch.ones(1, 3)
+    q_fp8, head_weights = run_op(face, "quantize_q", q, weights, True)
+    codes, want = ref.quantize_q(q.double().numpy(), weights.double().numpy(), True)
+    np.testing.assert_array_equal(q_fp8.view(torch.uint8).numpy(), codes)
+    np.testing.assert_allclose(head_weights.numpy(), want, rtol=1e-6, atol=0)
+    assert q_fp8.view(torch.uint8)[0, :2, 0].tolist() == [0x7E, 0xFE]
+    torch.testing.assert_close(head_weights * 12**0.5, torch.tensor([[1.0, 2.0**-4, 1.0]]))
+
 def test_quantize_q_faces_agree_on_ties():
     # bf16 inputs over power-of-two scales land exactly on fp8 midpoints often.
     gen = torch.Generator().manual_seed(3)

@@ -195,6 +195,29 @@ def test_topk_scored_launch_variants(case, parts, block, cap, margin, search):
                         margin=margin)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test")
+@pytest.mark.interpret
+def test_launch_scores_read_from_the_starts():
+    """``launch_topk`` with ``starts`` and ``scores``: a score is the logit at ``start +
+    index``, in rows written whole (``valid <= k``) as in rows searched; -inf and -1 past
+    the valid ones."""
+    gen = torch.Generator().manual_seed(9)
+    n, k = 64, 8
+    logits = torch.randn(3, n, generator=gen)
+    lengths, starts = i32([5, 30, 8]), i32([20, 10, 50])
+    indices = torch.full((3, k), 7, dtype=torch.int32)
+    scores = torch.full((3, k), 7.0)
+    launch_topk(logits, lengths, k, starts, out=indices, scores=scores, finish_block=32,
+                num_warps=1, select_warps=1)
+    for row, (length, start) in enumerate(zip(lengths.tolist(), starts.tolist(), strict=True)):
+        valid = min(length, k)
+        window = logits[row, start:start + length]
+        assert sorted(indices[row, :valid].tolist()) == sorted(
+            window.topk(valid).indices.tolist())
+        taken = indices[row, :valid].long()
+        assert torch.equal(scores[row, :valid], window[taken])
+        assert (indices[row, valid:] == -1).all() and torch.isneginf(scores[row, valid:]).all()
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("rows", "n"), [(8, 65536), (64, 131072)])
 def test_gpu_topk_scored_at_dcp_shapes(rows, n):
