@@ -1,8 +1,10 @@
 """The top-k's building blocks (dsa/ops/topk/select.py) on their own: ``select_positions``,
 the k largest member keys of a tile and their output slots, for every search, with ties
 broken either way, down to ``count == k`` (every member taken) and members whose key is the
-smallest int32 (the key of a NaN with every bit set), which non-members share; and
-``region_offsets``, where the candidates of the parts' regions lie read as one sequence."""
+smallest int32 (the key of a NaN with every bit set), which non-members share;
+``region_offsets``, where the candidates of the parts' regions lie read as one sequence; and
+``pivot``, the cut points of a key range (each strictly above its low end, so a search always
+moves)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,39 @@ import triton.language as tl
 from faces import HAS_CUDA, KERNEL_MARK
 
 from dsa.ops.topk.indices import SEARCHES
-from dsa.ops.topk.select import region_offsets, select_positions, tile
+from dsa.ops.topk.select import pivot, region_offsets, select_positions, tile
 
 R, C = 2, 32
 N = R * C
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 INT_MIN = -(2**31)  # the key non-members get
 
+
+@triton.jit
+def _pivots_kernel(lo_ptr, top_ptr, out_ptr, n, PIVOTS: tl.constexpr, BLOCK: tl.constexpr):
+    j = tl.arange(0, BLOCK)
+    ok = j < n
+    lo = tl.load(lo_ptr + j, mask=ok, other=0)
+    top = tl.load(top_ptr + j, mask=ok, other=1)
+    tl.store(out_ptr + j * 4, pivot(lo, top, 1, PIVOTS), mask=ok)
+    tl.store(out_ptr + j * 4 + 1, pivot(lo, top, 2, PIVOTS), mask=ok)
+    if PIVOTS == 4:
+        tl.store(out_ptr + j * 4 + 2, pivot(lo, top, 3, PIVOTS), mask=ok)
+        tl.store(out_ptr + j * 4 + 3, pivot(lo, top, 4, PIVOTS), mask=ok)
+
+
+@KERNEL_MARK
+@pytest.mark.parametrize("pivots", [2, 4])
+def test_pivots_cut_every_range_above_its_low_end(pivots):
+    """``lo < pivot 1 <= ... <= pivot PIVOTS <= top`` for ranges of width 1 and 2 (where a
+    fraction of the width rounds to 0), mid-sized ones and the whole int32 range."""
+    ranges = [(0, 1), (-5, -4), (7, 9), (INT_MIN, INT_MIN + 1), (2**31 - 2, 2**31 - 1),
+              (-100, 100), (0, 1000), (INT_MIN, 2**31 - 1), (INT_MIN, 0), (-1, 2**31 - 1)]
+    lo, top = (torch.tensor(v, dtype=torch.int32, device=DEVICE) for v in zip(*ranges))
+    out = torch.zeros(len(ranges), 4, dtype=torch.int32, device=DEVICE)
+    _pivots_kernel[(1,)](lo, top, out, len(ranges), PIVOTS=pivots, BLOCK=16)
+    for (a, b), cuts in zip(ranges, out[:, :pivots].cpu().tolist(), strict=True):
+        assert a < cuts[0] and cuts == sorted(cuts) and cuts[-1] <= b, (a, b, cuts)
 
 @triton.jit
 def _select_positions_kernel(keys_ptr, count, k, taken_ptr, pos_ptr, R: tl.constexpr,
@@ -102,3 +130,4 @@ def test_region_offsets(counts):
     expected += list(range(len(expected), n))
     assert src.cpu().tolist() == expected[:n]
     assert sums.cpu().tolist() == [sum(counts), max(counts)]
+
