@@ -16,7 +16,13 @@ from dsa.config import IndexerConfig, hf_config_dict
 from dsa.meta.decode import DecodeMetadata
 from dsa.meta.prefill import PrefillMetadata
 from dsa.ops import block_fp8
-from dsa.ops._checks import POSITION_DTYPES, check_size, check_tensor, is_int
+from dsa.ops._checks import (
+    POSITION_DTYPES,
+    check_size,
+    check_tensor,
+    is_finite_number,
+    is_int,
+)
 from dsa.ops.dcp import owned_indices
 from dsa.ops.project import KERNEL_TOKENS, project_torch
 from dsa.ops.quant import FLOAT_DTYPES
@@ -409,8 +415,7 @@ def _check_layer_args(cfg: object, hidden_size: object, q_lora_rank: object,
     for name, value in (("hidden_size", hidden_size), ("q_lora_rank", q_lora_rank)):
         if not is_int(value) or value < 1:
             raise ValueError(f"Indexer: `{name}` must be a positive int, got {value!r}")
-    if (isinstance(rope_theta, bool) or not isinstance(rope_theta, int | float)
-            or not rope_theta > 0 or rope_theta == float("inf")):
+    if not is_finite_number(rope_theta) or rope_theta <= 0:
         raise ValueError(f"Indexer: `rope_theta` must be a positive finite number, got "
                          f"{rope_theta!r}")
     if rope_scaling is not None and not isinstance(rope_scaling, YarnScaling):

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dsa.ops._checks import is_finite_number
+
 PLAIN_ROPE_TYPES = ("default", "none")
 ROPE_TYPES = (*PLAIN_ROPE_TYPES, "yarn")
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
@@ -44,8 +46,7 @@ class YarnScaling:
         for name in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
                      "mscale", "mscale_all_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
-                    value):
+            if not is_finite_number(value):
                 raise ValueError(f"YarnScaling: {name} must be a finite number, got {value!r}")
         if not self.factor >= 1:
             raise ValueError(f"YarnScaling: factor must be >= 1, got {self.factor!r}")

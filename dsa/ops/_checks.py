@@ -6,6 +6,7 @@ trace time (the fake runs the same checks) instead of inside a kernel.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -60,6 +61,11 @@ def check_size(op: str, name: str, t: Tensor, dim: int, expected: int, what: str
 def is_int(value: object) -> bool:
     """Whether ``value`` is an int, not a bool (an int to Python)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_finite_number(value: object) -> bool:
+    """Whether ``value`` is a finite int or float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_int(op: str, name: str, value: object, *, low: int | None = None) -> int:
