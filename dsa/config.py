@@ -197,6 +197,15 @@ def hf_config_dict(config: object, caller: str) -> Mapping[str, Any]:
                     f"to_dict(), as transformers' configs), got {type(config).__name__}")
 
 
+def hf_switch(config: Mapping[str, Any], key: str, caller: str) -> bool:
+    """A HF config's boolean switch ``key``: true or false, absent as false (a string such as
+    "false" is refused, not read as true)."""
+    value = config.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{caller}: {key} must be true, false or absent, got {value!r}")
+    return bool(value)
+
+
 def _positive(name: str, value: object) -> None:
     if not is_int(value) or value < 1:
         raise ValueError(f"IndexerConfig: {name} must be a positive int, got {value!r}")

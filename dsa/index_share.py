@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsa.config import hf_config_dict
+from dsa.config import hf_config_dict, hf_switch
 from dsa.ops._checks import is_int
 
 FULL, SHARED = "F", "S"
@@ -84,11 +84,7 @@ class IndexShare:
                                  f"or 'shared' for each of the {num_layers} layers, got "
                                  f"{kinds!r}")
             return cls("".join(names[kind] for kind in kinds))
-        use_index_cache = config.get("use_index_cache")
-        if use_index_cache is not None and not isinstance(use_index_cache, bool):
-            raise ValueError(f"IndexShare.from_hf_config: use_index_cache must be true, false "
-                             f"or absent, got {use_index_cache!r}")
-        if not use_index_cache:
+        if not hf_switch(config, "use_index_cache", "IndexShare.from_hf_config"):
             return cls(FULL * num_layers)
         pattern = config.get("index_topk_pattern")
         if pattern is not None:

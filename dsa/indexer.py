@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from dsa import distributed
 from dsa._pytree import pytree_dataclass
-from dsa.config import IndexerConfig, hf_config_dict
+from dsa.config import IndexerConfig, hf_config_dict, hf_switch
 from dsa.meta.decode import DecodeMetadata
 from dsa.meta.prefill import PrefillMetadata
 from dsa.ops import block_fp8
@@ -221,14 +221,11 @@ class Indexer(nn.Module):
                             max_model_len=max_model_len, num_heads=read("index_n_heads"),
                             head_dim=read("index_head_dim"), topk=read("index_topk"),
                             num_blocks=num_blocks, **cfg_overrides)
-        interleaved = config.get("indexer_rope_interleave")
-        if interleaved is not None and not isinstance(interleaved, bool):
-            raise ValueError(f"Indexer.from_hf_config: indexer_rope_interleave must be true, "
-                             f"false or absent, got {interleaved!r}")
+        interleaved = hf_switch(config, "indexer_rope_interleave", "Indexer.from_hf_config")
         return cls(cfg, hidden_size=read("hidden_size"), q_lora_rank=read("q_lora_rank"),
                    rope_dim=read("qk_rope_head_dim"),
                    rope_theta=theta, rope_scaling=rope_scaling_from_hf(rope_scaling),
-                   rope_interleaved=bool(interleaved), device=device, dtype=dtype,
+                   rope_interleaved=interleaved, device=device, dtype=dtype,
                    fp8_weights=fp8_weights)
 
     def load_checkpoint(self, state_dict: Mapping[str, Tensor], prefix: str = "") -> None:
