@@ -313,7 +313,7 @@ def _weight_tile(w, rows_ok, e0, e, width, dtype: tl.constexpr, SCALED: tl.const
 @triton.jit
 def _slice_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.constexpr,
                     COLS: tl.constexpr, STEP: tl.constexpr, SLICE_STEPS: tl.constexpr,
-                    SCALED: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr):
+                    SCALED: tl.constexpr, PDL: tl.constexpr):
     """fp32 ``[TP, COLS]`` sums over inner-dim elements ``lo .. lo + SLICE_STEPS * STEP`` of
     ``x[t, :] * w[c, :]`` (``w``: see :func:`_weight_tile`; masked rows count 0), one token
     at a time. PDL: the first step's weights are loaded before waiting for the kernel
@@ -324,7 +324,7 @@ def _slice_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.con
         e0 = lo + step * STEP
         e = e0 + tl.arange(0, STEP)
         w_tile, factor = _weight_tile(w, rows_ok, e0, e, width, x_ptr.dtype.element_ty,
-                                      SCALED, True, EVICT)
+                                      SCALED, True, "")
         if PDL and step == 0:
             tl.extra.cuda.gdc_wait()
         w_tile = w_tile.to(tl.float32)
@@ -426,13 +426,14 @@ def _products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.constexpr
               SCALED: tl.constexpr, DOT: tl.constexpr, EVICT: tl.constexpr,
               PDL: tl.constexpr):
     """The partial sums of a program: DOT 0 :func:`_slice_products`, 1
-    :func:`_tile_products` in fp32, 2 the same with native 16-bit operands."""
+    :func:`_tile_products` in fp32, 2 the same with native 16-bit operands (EVICT: the
+    weights' L2 policy there; one token at a time takes none)."""
     if DOT:
         acc = _tile_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP, COLS, STEP,
                              SLICE_STEPS, SCALED, DOT == 2, EVICT, PDL)
     else:
         acc = _slice_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP, COLS,
-                              STEP, SLICE_STEPS, SCALED, EVICT, PDL)
+                              STEP, SLICE_STEPS, SCALED, PDL)
     return acc
 
 

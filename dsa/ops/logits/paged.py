@@ -255,9 +255,9 @@ def _tile_blocks(bt_row, t, longest, width, num_blocks, cols, ids, c0, BS: tl.co
 
 
 @triton.jit
-def _k_tile(value_ptr, blk, off, d, t, t_end, D: tl.constexpr, BLOCK_D: tl.constexpr,
-            VALUE_STRIDE: tl.constexpr, EVICTION: tl.constexpr):
-    """Tile ``t``'s K values ``[TILE, BLOCK_D]`` (block ``blk``, offsets ``off`` in it) loaded
+def _k_tile(value_ptr, blk, off, d, t, t_end, D: tl.constexpr, VALUE_STRIDE: tl.constexpr,
+            EVICTION: tl.constexpr):
+    """Tile ``t``'s K values ``[TILE, len(d)]`` (block ``blk``, offsets ``off`` in it) loaded
     into registers with L2 eviction policy EVICTION; 0 past D, and for ``t >= t_end``
     (nothing read)."""
     src = blk * VALUE_STRIDE + off * D
@@ -320,7 +320,9 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
                          SCALES_AHEAD: tl.constexpr, TMA: tl.constexpr,
                          DIRECT_STORE: tl.constexpr, PRELOAD: tl.constexpr,
                          SPAN: tl.constexpr, EVICTION: tl.constexpr, K_EVICTION: tl.constexpr,
-                         K_AHEAD: tl.constexpr, PDL: tl.constexpr):
+                         PDL: tl.constexpr):
+    # K streamed (evict-first): in registers a tile ahead, as plain loads keep the policy
+    K_AHEAD: tl.constexpr = K_EVICTION == "evict_first"
     pdl_chain_wait(PDL)
     split = tl.program_id(0)
     b = tl.program_id(1)
@@ -381,9 +383,9 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
     if SCALES_AHEAD:
         scale_next = tl.load(scale_ptr + blk_next * SCALE_STRIDE + (t_begin * TILE + cols) % BS,
                              eviction_policy=K_EVICTION)
-    if K_AHEAD:  # K in registers a tile ahead: plain loads keep their eviction policy
+    if K_AHEAD:
         k_ahead = _k_tile(value_ptr, blk_next, (t_begin * TILE + cols) % BS, d, t_begin, t_mid,
-                          D, BLOCK_D, VALUE_STRIDE, K_EVICTION)
+                          D, VALUE_STRIDE, K_EVICTION)
     for t in range(t_begin, t_mid):
         pos = t * TILE + cols
         blk, ok = blk_next, ok_next
@@ -397,16 +399,16 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
         if K_AHEAD:
             k = k_ahead
             k_ahead = _k_tile(value_ptr, blk_next, (pos + TILE) % BS, d, t + 1, t_mid, D,
-                              BLOCK_D, VALUE_STRIDE, K_EVICTION)
+                              VALUE_STRIDE, K_EVICTION)
         elif TMA:  # rows of D bytes: a block's first row, then the tile's offset in it
             k = k_desc.load([(blk * (VALUE_STRIDE // D) + (t * TILE) % BS).to(tl.int32), 0])
         else:
             src = blk * VALUE_STRIDE + off * D
             if BLOCK_D == D:
-                k = tl.load(value_ptr + src[:, None] + d[None, :], eviction_policy=K_EVICTION)
+                k = tl.load(value_ptr + src[:, None] + d[None, :])
             else:
                 k = tl.load(value_ptr + src[:, None] + d[None, :], mask=(d < D)[None, :],
-                            other=0.0, eviction_policy=K_EVICTION)
+                            other=0.0)
         if not SCALES_AHEAD:  # after the K load: issued first, next_n 3 is 6% slower
             k_scale = tl.load(scale_ptr + blk * SCALE_STRIDE + off, eviction_policy=K_EVICTION)
         if SPLIT_ROWS:
@@ -478,7 +480,6 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
         PRELOAD=preload, SPAN=triton.next_power_of_2(config.tiles_per_program) if preload else 1,
         EVICTION="evict_last" if config.keep_in_l2 else "",
         K_EVICTION="evict_first" if config.stream_k else "",
-        K_AHEAD=config.stream_k,
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl,
         **pdl_launch(pdl > 0),
     )
