@@ -183,19 +183,13 @@ def test_project_hidden_tiles_by_tma(weights_proj_16_bit, monkeypatch):
 
 def tma_tiles_equal_pointers(args: tuple, monkeypatch) -> tuple:
     """The kernel face's outputs with tiles by TMA where they can go, after checking them bit
-    for bit against the same launch with every tile by pointers, and with the weights
-    streamed (``STREAM_WEIGHTS``: by pointers a step ahead, evict-first)."""
-    monkeypatch.setattr(project, "STREAM_WEIGHTS", False)
+    for bit against the same launch with every tile by pointers."""
     got = run_project("kernel", args)
     monkeypatch.setattr(project, "_tma_tiles", lambda t: False)
     by_pointers = run_project("kernel", args)
     monkeypatch.undo()
-    monkeypatch.setattr(project, "STREAM_WEIGHTS", True)
-    streamed = run_project("kernel", args)
-    monkeypatch.undo()
-    for other in (by_pointers, streamed):
-        assert torch.equal(got[0].view(torch.uint8), other[0].view(torch.uint8))
-        assert torch.equal(got[1], other[1]) and torch.equal(got[2], other[2])
+    assert torch.equal(got[0].view(torch.uint8), by_pointers[0].view(torch.uint8))
+    assert torch.equal(got[1], by_pointers[1]) and torch.equal(got[2], by_pointers[2])
     return got
 
 

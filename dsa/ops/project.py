@@ -111,11 +111,6 @@ _BLOCK = tl.constexpr(WEIGHT_BLOCK)
 # (b96013f, the kernel after a 256 MB flush): 3.4 / 4.6 / 7.0 us at 16 / 64 / 128 tokens
 # against 4.6 / 6.0 / 8.8 with row_tile's 8-16 rows in 2-4 warps.
 PROLOGUE_ROWS = 2
-# Whether the partial sums' matrix products (more than SMALL_TOKENS tokens) stream the
-# weights: by pointers a step ahead with L2's evict-first policy (read once, they are the
-# first lines replaced and what else L2 holds stays), not by TMA (Triton's copies take no
-# policy). Off until measured on the GPU (issue 9; as PagedLaunch.stream_k).
-STREAM_WEIGHTS = False
 
 
 class PartialsPlan(NamedTuple):
@@ -278,7 +273,7 @@ def _exact_scale(scale, dtype: tl.constexpr):
 
 @triton.jit
 def _weight_tile(w, rows_ok, e0, e, width, dtype: tl.constexpr, SCALED: tl.constexpr,
-                 SCALE_SUMS: tl.constexpr, EVICT: tl.constexpr):
+                 SCALE_SUMS: tl.constexpr):
     """(``w[rows, e]``, 0 where masked; the factor of its products' sums). ``w``: (row
     pointers, their column stride, the first row, the scales' pointer and strides); ``e0``:
     ``e``'s first. SCALED: fp8 codes times their block's scale (the rows and ``e`` lie in
@@ -288,8 +283,7 @@ def _weight_tile(w, rows_ok, e0, e, width, dtype: tl.constexpr, SCALED: tl.const
     product with the activations falls below fp32's normal range), else 1."""
     w_rows, w_s1, row0, s_ptr, s_s0, s_s1 = w
     tile = tl.load(w_rows[:, None] + e[None, :].to(tl.int64) * w_s1,
-                   mask=rows_ok[:, None] & (e < width)[None, :], other=0.0,
-                   eviction_policy=EVICT)
+                   mask=rows_ok[:, None] & (e < width)[None, :], other=0.0)
     factor = tl.full([], 1.0, tl.float32)
     if SCALED:
         e0 = tl.minimum(e0, width - 1)  # past the width: any block's scale, the codes are 0
@@ -324,7 +318,7 @@ def _slice_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.con
         e0 = lo + step * STEP
         e = e0 + tl.arange(0, STEP)
         w_tile, factor = _weight_tile(w, rows_ok, e0, e, width, x_ptr.dtype.element_ty,
-                                      SCALED, True, "")
+                                      SCALED, True)
         if PDL and step == 0:
             tl.extra.cuda.gdc_wait()
         w_tile = w_tile.to(tl.float32)
@@ -343,34 +337,21 @@ def _slice_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.con
 @triton.jit
 def _tile_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.constexpr,
                    COLS: tl.constexpr, STEP: tl.constexpr, SLICE_STEPS: tl.constexpr,
-                   SCALED: tl.constexpr, NATIVE: tl.constexpr, EVICT: tl.constexpr,
-                   PDL: tl.constexpr):
+                   SCALED: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     """:func:`_slice_products` for a tile of TP tokens by matrix products, their operands'
     products exact and summed in fp32: NATIVE, in the operands' dtype where both share a
-    16-bit one, else in fp32 (without TF32). PDL: waits for the kernel before first.
-    EVICT "evict_first": the weights are loaded a step ahead into registers (plain loads keep
-    their policy; the pipeliner's async copies drop it), the first before the wait."""
-    AHEAD: tl.constexpr = EVICT == "evict_first"
-    t = tl.arange(0, TP)
-    acc = tl.zeros([TP, COLS], tl.float32)
-    if AHEAD:  # the slice's end as the width: nothing past it is read
-        end = tl.minimum(width, lo + SLICE_STEPS * STEP)
-        w_next, _ = _weight_tile(w, rows_ok, lo, lo + tl.arange(0, STEP), end,
-                                 x_ptr.dtype.element_ty, SCALED, False, EVICT)
+    16-bit one, else in fp32 (without TF32). PDL: waits for the kernel before first."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+    t = tl.arange(0, TP)
+    acc = tl.zeros([TP, COLS], tl.float32)
     for step in range(SLICE_STEPS):
         e = lo + step * STEP + tl.arange(0, STEP)
         e_ok = (e < width)[None, :]
         x = tl.load(x_ptr + t[:, None].to(tl.int64) * x_s0 + e[None, :].to(tl.int64) * x_s1,
                     mask=(t < tokens)[:, None] & e_ok, other=0.0)
-        if AHEAD:
-            w_tile = w_next
-            w_next, _ = _weight_tile(w, rows_ok, lo + (step + 1) * STEP, e + STEP, end,
-                                     x.dtype, SCALED, False, EVICT)
-        else:
-            w_tile, _ = _weight_tile(w, rows_ok, lo + step * STEP, e, width, x.dtype, SCALED,
-                                     False, EVICT)
+        w_tile, _ = _weight_tile(w, rows_ok, lo + step * STEP, e, width, x.dtype, SCALED,
+                                 False)
         acc = _tile_dot(x, w_tile, acc, NATIVE)
     return acc
 
@@ -423,14 +404,12 @@ def _split_dot(x, w, acc):
 @triton.jit
 def _products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP: tl.constexpr,
               COLS: tl.constexpr, STEP: tl.constexpr, SLICE_STEPS: tl.constexpr,
-              SCALED: tl.constexpr, DOT: tl.constexpr, EVICT: tl.constexpr,
-              PDL: tl.constexpr):
+              SCALED: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
     """The partial sums of a program: DOT 0 :func:`_slice_products`, 1
-    :func:`_tile_products` in fp32, 2 the same with native 16-bit operands (EVICT: the
-    weights' L2 policy there; one token at a time takes none)."""
+    :func:`_tile_products` in fp32, 2 the same with native 16-bit operands."""
     if DOT:
         acc = _tile_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP, COLS, STEP,
-                             SLICE_STEPS, SCALED, DOT == 2, EVICT, PDL)
+                             SLICE_STEPS, SCALED, DOT == 2, PDL)
     else:
         acc = _slice_products(x_ptr, x_s0, x_s1, w, rows_ok, tokens, width, lo, TP, COLS,
                               STEP, SLICE_STEPS, SCALED, PDL)
@@ -443,7 +422,7 @@ def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, 
                      D: tl.constexpr, H: tl.constexpr, TP: tl.constexpr, COLS: tl.constexpr,
                      STEP: tl.constexpr, H_STEPS: tl.constexpr, WK_SCALED: tl.constexpr,
                      DOT: tl.constexpr, K_TMA: tl.constexpr, P_TMA: tl.constexpr,
-                     EVICT: tl.constexpr, PDL: tl.constexpr):
+                     PDL: tl.constexpr):
     """``hpart[s, t, c]`` of program ``pid = s * H_BLOCKS + block``: COLS columns c of
     ``[wk; weights_proj]`` (k's D, then the H head weights), tokens ``t0 .. t0 + TP - 1``
     (WK_SCALED: fp8 ``wk`` with its block scales at ``wks_ptr``; K_TMA, P_TMA: ``wk``'s,
@@ -466,7 +445,7 @@ def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, 
             wk_tile = (wk_ptr + rows.to(tl.int64) * wk_s0, wk_s1, block * COLS, wks_ptr,
                        wks_s0, wks_s1)
             acc = _products(x, x_s0, x_s1, wk_tile, rows < D, tokens - t0, width, lo, TP, COLS,
-                            STEP, H_STEPS, WK_SCALED, DOT, EVICT, PDL)
+                            STEP, H_STEPS, WK_SCALED, DOT, PDL)
         col, col_ok = rows, rows < D
     else:
         rows = (block - K_BLOCKS) * COLS + c
@@ -476,7 +455,7 @@ def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, 
         else:
             wp_tile = (wp_ptr + rows.to(tl.int64) * wp_s0, wp_s1, 0, wp_ptr, 0, 0)
             acc = _products(x, x_s0, x_s1, wp_tile, rows < H, tokens - t0, width, lo, TP, COLS,
-                            STEP, H_STEPS, False, DOT, EVICT, PDL)
+                            STEP, H_STEPS, False, DOT, PDL)
         col, col_ok = D + rows, rows < H
     out = hpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * (D + H) + col[None, :]
     tl.store(out, acc, mask=(t < tokens)[:, None] & col_ok[None, :])
@@ -487,7 +466,7 @@ def _q_partials(q_pid, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr, 
                 ql_desc, wq_desc, qpart_ptr, tokens, q_width, N: tl.constexpr,
                 TP: tl.constexpr, Q_COLS: tl.constexpr, STEP: tl.constexpr,
                 Q_STEPS: tl.constexpr, WQ_SCALED: tl.constexpr, DOT: tl.constexpr,
-                Q_TMA: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr):
+                Q_TMA: tl.constexpr, PDL: tl.constexpr):
     """``qpart[s, t, c]`` of program ``q_pid = s * Q_BLOCKS + block``: Q_COLS of the N
     columns of ``wq_b``, tokens ``t0 .. t0 + TP - 1`` (WQ_SCALED: fp8 ``wq_b`` with its
     block scales at ``wqs_ptr``; Q_TMA: tiles copied through ``ql_desc`` and ``wq_desc``,
@@ -505,7 +484,7 @@ def _q_partials(q_pid, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr, 
         w = (wq_ptr + col.to(tl.int64) * wq_s0, wq_s1, col0, wqs_ptr, wqs_s0, wqs_s1)
         acc = _products(ql_ptr + t0.to(tl.int64) * ql_s0, ql_s0, ql_s1, w, col < N,
                         tokens - t0, q_width, lo, TP, Q_COLS, STEP, Q_STEPS, WQ_SCALED, DOT,
-                        EVICT, PDL)
+                        PDL)
     out = qpart_ptr + (s * tokens + t[:, None]).to(tl.int64) * N + col[None, :]
     tl.store(out, acc, mask=(t < tokens)[:, None] & (col < N)[None, :])
 
@@ -519,8 +498,7 @@ def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_
                      STEP: tl.constexpr, H_STEPS: tl.constexpr, Q_STEPS: tl.constexpr,
                      H_PROGRAMS: tl.constexpr, WK_SCALED: tl.constexpr,
                      WQ_SCALED: tl.constexpr, DOT: tl.constexpr, K_TMA: tl.constexpr,
-                     P_TMA: tl.constexpr, Q_TMA: tl.constexpr, EVICT: tl.constexpr,
-                     PDL: tl.constexpr):
+                     P_TMA: tl.constexpr, Q_TMA: tl.constexpr, PDL: tl.constexpr):
     """Program (i, j), tokens ``j * TP ..``: the first H_PROGRAMS programs i
     :func:`_hidden_partials` (over the hidden dim), the others :func:`_q_partials` (over the
     q_lora dim). PDL (programmatic dependent launch): a program may start while the kernel
@@ -533,11 +511,11 @@ def _partials_kernel(x_ptr, x_s0, x_s1, ql_ptr, ql_s0, ql_s1, wk_ptr, wk_s0, wk_
         _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, wks_s0,
                          wks_s1, wp_ptr, wp_s0, wp_s1, x_desc, wk_desc, wp_desc, hpart_ptr,
                          tokens, width, D, H, TP, COLS, STEP, H_STEPS, WK_SCALED, DOT, K_TMA,
-                         P_TMA, EVICT, PDL)
+                         P_TMA, PDL)
     else:
         _q_partials(pid - H_PROGRAMS, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr,
                     wqs_s0, wqs_s1, ql_desc, wq_desc, qpart_ptr, tokens, q_width, H * D, TP,
-                    Q_COLS, STEP, Q_STEPS, WQ_SCALED, DOT, Q_TMA, EVICT, PDL)
+                    Q_COLS, STEP, Q_STEPS, WQ_SCALED, DOT, Q_TMA, PDL)
 
 
 @triton.jit
@@ -663,11 +641,9 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
     hpart = torch.empty(h_slices, n.tokens, n.head_dim + n.heads, **f32)
     qpart = torch.empty(q_slices, n.tokens, n.heads * n.head_dim, **f32)
     pdl, chain = pdl_enabled(hidden), chain_pdl(hidden, n.tokens <= CHAIN_ROWS, n.tokens)
-    stream = plan.dot and STREAM_WEIGHTS
-    tma = plan.dot and not stream
-    q_tma = tma and _tma_operands(q_latent, wq_b, wq_b_scale)
-    k_tma = tma and _tma_operands(hidden, wk, wk_scale)
-    p_tma = tma and _tma_operands(hidden, weights_proj)
+    q_tma = plan.dot and _tma_operands(q_latent, wq_b, wq_b_scale)
+    k_tma = plan.dot and _tma_operands(hidden, wk, wk_scale)
+    p_tma = plan.dot and _tma_operands(hidden, weights_proj)
     x_desc = _tile_descriptor(hidden, plan.tokens, plan.step, k_tma or p_tma)
     wk_desc = _tile_descriptor(wk, COLS, plan.step, k_tma)
     wp_desc = _tile_descriptor(weights_proj, COLS, plan.step, p_tma)
@@ -684,7 +660,7 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            H_PROGRAMS=h_slices * h_blocks, WK_SCALED=wk_scale is not None,
            WQ_SCALED=wq_b_scale is not None,
            DOT=(2 if hidden.is_cuda else 1) if plan.dot else 0, K_TMA=k_tma, P_TMA=p_tma,
-           Q_TMA=q_tma, EVICT="evict_first" if stream else "", PDL=pdl,
+           Q_TMA=q_tma, PDL=pdl,
            num_warps=plan.warps, num_stages=plan.stages, **pdl_launch(pdl))
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape

@@ -80,12 +80,6 @@ class PagedLogitsConfig:
     on a table read issued in the loop. Taken where each tile lies within one block and a
     program takes at most ``PRELOAD_MAX_TILES`` tiles (a tile's id is then picked from
     registers cheaply), else ignored."""
-    stream_k: bool = False
-    """Read K (values and key scales) with L2's evict-first policy: the cache streams
-    through L2 once, so its lines are the first replaced and what else L2 holds stays there
-    (the logits, a model's activations, dirty lines whose write-back would share the step's
-    bandwidth). Neither TMA copies nor the pipeliner's async copies take a policy (Triton
-    3.6): K tiles are loaded into registers a tile ahead instead (``tma`` is ignored)."""
 
 
 class PagedLaunch(NamedTuple):
@@ -101,7 +95,6 @@ class PagedLaunch(NamedTuple):
     direct_store: bool
     keep_in_l2: bool
     blocks_preloaded: bool
-    stream_k: bool
 
 
 # By next_n, from H200 runs (H 64, D 128, tile 64, 1M and 4M keys; BENCHMARKS.md, the
@@ -122,14 +115,11 @@ class PagedLaunch(NamedTuple):
 # 252.5 us at 64x65536, 65.0 against 65.9 at 16x65536.
 # Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs the launch
 # decided before capture.
-PAGED_LAUNCH = {1: PagedLaunch(32, False, 4, 3, True, True, False, True, True, False),
-                2: PagedLaunch(32, True, 4, 3, True, True, False, True, True, False),
-                3: PagedLaunch(128, True, 4, 3, True, True, True, True, False, False),
-                4: PagedLaunch(128, False, 4, 4, False, True, False, True, True, False)}
+PAGED_LAUNCH = {1: PagedLaunch(32, False, 4, 3, True, True, False, True, True),
+                2: PagedLaunch(32, True, 4, 3, True, True, False, True, True),
+                3: PagedLaunch(128, True, 4, 3, True, True, True, True, False),
+                4: PagedLaunch(128, False, 4, 4, False, True, False, True, True)}
 SPLIT_ROWS_MAX_NEXT_N = 4
-# Keys a call reads from which a launch that streams K (``PagedLaunch.stream_k``) does: about
-# 68 MB of cache at D = 128, more than the H200's L2 (50 MB); a smaller cache may stay there.
-STREAM_MIN_KEYS = 1 << 19
 PRELOAD_MAX_TILES = 32
 
 
@@ -144,7 +134,6 @@ def paged_logits_config(batch: int, next_n: int, max_context_len: int) -> PagedL
     launch = PAGED_LAUNCH[min(max(next_n, 1), 4)]
     fields = launch._asdict()
     most = fields.pop("most_tiles")
-    fields["stream_k"] = launch.stream_k and batch * max_context_len >= STREAM_MIN_KEYS
     return PagedLogitsConfig(tile=tile, tiles_per_program=max(1, min(most, tiles // 512)),
                              **fields)
 
@@ -255,18 +244,6 @@ def _tile_blocks(bt_row, t, longest, width, num_blocks, cols, ids, c0, BS: tl.co
 
 
 @triton.jit
-def _k_tile(value_ptr, blk, off, d, t, t_end, D: tl.constexpr, VALUE_STRIDE: tl.constexpr,
-            EVICTION: tl.constexpr):
-    """Tile ``t``'s K values ``[TILE, len(d)]`` (block ``blk``, offsets ``off`` in it) loaded
-    into registers with L2 eviction policy EVICTION; 0 past D, and for ``t >= t_end``
-    (nothing read)."""
-    src = blk * VALUE_STRIDE + off * D
-    live = (off * 0 + t) < t_end
-    return tl.load(value_ptr + src[:, None] + d[None, :],
-                   mask=live[:, None] & (d < D)[None, :], other=0.0, eviction_policy=EVICTION)
-
-
-@triton.jit
 def _query_row(q_ptr, w_ptr, w_stride0, w_stride1, row0, h, d, J: tl.constexpr,
                H: tl.constexpr, D: tl.constexpr):
     """Query row ``row0 + J``: its ``[HP, BLOCK_D]`` q operand (padding zero) and head
@@ -319,10 +296,7 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
                          TILE: tl.constexpr, SPLIT_ROWS: tl.constexpr,
                          SCALES_AHEAD: tl.constexpr, TMA: tl.constexpr,
                          DIRECT_STORE: tl.constexpr, PRELOAD: tl.constexpr,
-                         SPAN: tl.constexpr, EVICTION: tl.constexpr, K_EVICTION: tl.constexpr,
-                         PDL: tl.constexpr):
-    # K streamed (evict-first): in registers a tile ahead, as plain loads keep the policy
-    K_AHEAD: tl.constexpr = K_EVICTION == "evict_first"
+                         SPAN: tl.constexpr, EVICTION: tl.constexpr, PDL: tl.constexpr):
     pdl_chain_wait(PDL)
     split = tl.program_id(0)
     b = tl.program_id(1)
@@ -381,11 +355,7 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
     blk_next, ok_next = _tile_blocks(bt_row, t_begin, longest, width, num_blocks, cols, ids, c0,
                                      BS, TILE, PRELOAD)
     if SCALES_AHEAD:
-        scale_next = tl.load(scale_ptr + blk_next * SCALE_STRIDE + (t_begin * TILE + cols) % BS,
-                             eviction_policy=K_EVICTION)
-    if K_AHEAD:
-        k_ahead = _k_tile(value_ptr, blk_next, (t_begin * TILE + cols) % BS, d, t_begin, t_mid,
-                          D, VALUE_STRIDE, K_EVICTION)
+        scale_next = tl.load(scale_ptr + blk_next * SCALE_STRIDE + (t_begin * TILE + cols) % BS)
     for t in range(t_begin, t_mid):
         pos = t * TILE + cols
         blk, ok = blk_next, ok_next
@@ -394,13 +364,8 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
         off = pos % BS
         if SCALES_AHEAD:
             k_scale = scale_next
-            scale_next = tl.load(scale_ptr + blk_next * SCALE_STRIDE + (pos + TILE) % BS,
-                                 eviction_policy=K_EVICTION)
-        if K_AHEAD:
-            k = k_ahead
-            k_ahead = _k_tile(value_ptr, blk_next, (pos + TILE) % BS, d, t + 1, t_mid, D,
-                              VALUE_STRIDE, K_EVICTION)
-        elif TMA:  # rows of D bytes: a block's first row, then the tile's offset in it
+            scale_next = tl.load(scale_ptr + blk_next * SCALE_STRIDE + (pos + TILE) % BS)
+        if TMA:  # rows of D bytes: a block's first row, then the tile's offset in it
             k = k_desc.load([(blk * (VALUE_STRIDE // D) + (t * TILE) % BS).to(tl.int32), 0])
         else:
             src = blk * VALUE_STRIDE + off * D
@@ -410,7 +375,7 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
                 k = tl.load(value_ptr + src[:, None] + d[None, :], mask=(d < D)[None, :],
                             other=0.0)
         if not SCALES_AHEAD:  # after the K load: issued first, next_n 3 is 6% slower
-            k_scale = tl.load(scale_ptr + blk * SCALE_STRIDE + off, eviction_policy=K_EVICTION)
+            k_scale = tl.load(scale_ptr + blk * SCALE_STRIDE + off)
         if SPLIT_ROWS:
             # The rows' logits joined into one [TILE, NP] tile (rows past N -inf, not
             # stored): one layout conversion for the store instead of one per row.
@@ -456,7 +421,7 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
     values, scales = kcache_views(kv_cache)
     num_blocks, block_size = scales.shape
     k_desc = None  # the cache as rows of head_dim bytes; a tile is a box of them
-    if config.tma and not config.stream_k and tma_unsupported_reason(kv_cache, config.tile) is None:
+    if config.tma and tma_unsupported_reason(kv_cache, config.tile) is None:
         rows = kv_cache.view(-1, head_dim).view(torch.float8_e4m3fn)
         k_desc = TensorDescriptor.from_tensor(rows, [config.tile, head_dim])
     np_ = triton.next_power_of_2(next_n)
@@ -479,7 +444,6 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
         TMA=k_desc is not None, DIRECT_STORE=config.direct_store and on_nvidia_gpu(q_fp8),
         PRELOAD=preload, SPAN=triton.next_power_of_2(config.tiles_per_program) if preload else 1,
         EVICTION="evict_last" if config.keep_in_l2 else "",
-        K_EVICTION="evict_first" if config.stream_k else "",
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl,
         **pdl_launch(pdl > 0),
     )
