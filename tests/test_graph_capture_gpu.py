@@ -23,6 +23,7 @@ import dsa
 import dsa.ops._launch
 from dsa.graphs import DecodeGraphRunner, StaticBatch, pad_batch
 from dsa.ops import block_fp8
+from dsa.ops.logits import paged
 from dsa.ops.logits.deepgemm import deepgemm_paged_supported
 from tests.batches import STEP_CONFIGS, random_decode_batch, table_width
 
@@ -152,14 +153,22 @@ def test_decode_step_replays_as_one_graph(name, compile_backend):
         assert all(torch.equal(a, b) for a, b in zip(replays[0], again))
 
 
-@pytest.mark.parametrize("level", [1, 2])
-@pytest.mark.parametrize("backend", ["triton", "deepgemm"])
-def test_programmatic_dependent_launch_replays_equal(monkeypatch, backend, level):
+@pytest.mark.parametrize(("backend", "level", "unchained_logits"),
+                         [("triton", 1, False), ("triton", 2, False), ("deepgemm", 1, False),
+                          ("deepgemm", 2, False), ("triton", 1, True)])
+def test_programmatic_dependent_launch_replays_equal(monkeypatch, backend, level,
+                                                     unchained_logits):
     """The step's kernels launched with programmatic dependent launch (each may start while
     the kernel before runs, and waits before it reads what that kernel writes) give, in a
     graph, at either level of ``DSA_PDL``, the slots, indices and K cache of the step
     launched without it, bit for bit, over two layers (the second layer's partial sums
-    launch after the first's top-k)."""
+    launch after the first's top-k). unchained_logits: every paged-logits call as large
+    ones are (``CHAIN_KEYS`` 0), so those of more than one row start early
+    (``PagedLogitsConfig.early_tiles``: their first tiles prefetched into L2 while the
+    prologue writes q and the new keys)."""
+    if unchained_logits:
+        monkeypatch.setattr(paged, "CHAIN_KEYS", 0)
+        assert paged.PAGED_LAUNCH[1].early_tiles > 0
     cfg = make_cfg(next_n=1, logits_backend=backend)
     if backend == "deepgemm" and not deepgemm_paged_supported(
         torch.device("cuda"), cfg.num_heads, cfg.head_dim, cfg.block_size, cfg.next_n

@@ -173,7 +173,7 @@ def test_paged_logits_invalid_blocks_are_masked(face, full, next_n, block_size, 
      PagedLogitsConfig(tile=16, tiles_per_program=5, num_warps=2, num_stages=1,
                        blocks_preloaded=True),
      PagedLogitsConfig(tile=32, tiles_per_program=3, num_stages=2, scales_ahead=True,
-                       tma=True, blocks_preloaded=True, keep_in_l2=True)],
+                       tma=True, blocks_preloaded=True, keep_in_l2=True, early_tiles=2)],
 )
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4])
 def test_paged_logits_triton_configs(config, next_n):

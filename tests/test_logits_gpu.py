@@ -13,6 +13,7 @@ import reference_compute as ref
 import torch
 from cuda_graphs import capture
 
+from dsa.ops._launch import CHAIN_KEYS
 from dsa.ops.logits import deepgemm, paged_backend, paged_logits, ragged_logits
 from dsa.ops.logits.paged import PagedLogitsConfig, paged_logits_config, paged_logits_triton
 from dsa.ops.logits.ragged import mqa_logits_triton
@@ -274,6 +275,25 @@ def test_triton_paged_logits_configs_agree(next_n):
         got = paged_logits_triton(*case.inputs, case.max_len, config=config)
         assert torch.equal(torch.isneginf(got), ~valid), config
         assert gpu_relative_error(got[valid], want[valid]) < 1e-6, config
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_triton_paged_logits_early_start_bitwise(next_n):
+    """Started early (programmatic dependent launch, a program's first tiles prefetched into
+    L2 before its wait): the same bits as without, on calls of more than ``CHAIN_KEYS`` keys
+    (the only ones that start early), ragged lengths and blocks outside the cache included.
+    Inside a step, after the kernel writing q and the keys: test_graph_capture_gpu."""
+    case = Decode(7, 8, next_n, 40000)
+    assert 8 * next_n * case.max_len > CHAIN_KEYS
+    case.table[0, [0, 20]] = -1  # a program's first tile, and a later one
+    case.table[4, 32] = case.cache.shape[0] + 5
+    base = paged_logits_config(8, next_n, case.max_len)
+    want = paged_logits_triton(*case.inputs, case.max_len,
+                               config=dataclasses.replace(base, early_tiles=0))
+    for early in (1, 2, 4):
+        got = paged_logits_triton(*case.inputs, case.max_len,
+                                  config=dataclasses.replace(base, early_tiles=early))
+        assert torch.equal(got, want), early
 
 
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4])

@@ -56,7 +56,8 @@ def tile_warps(rows: int, row_block: int) -> int:
 # dependents start before it waits (``chain_pdl``; H200, BENCHMARKS.md, "twenty-sixth", µs
 # waiting first / starting them first): (1, 4K) 29.50 / 29.44, (1, 16K) 37.44 / 37.12,
 # (1, 128K) 54.62 / 53.90; with more rows the waiting programs of the dependents cost
-# (2, 16K) 39.68 / 42.30 and (4, 16K) 41.54 / 48.38.
+# (2, 16K) 39.68 / 42.30 and (4, 16K) 41.54 / 48.38. Unchained, the prologue still lets its
+# dependent start: a large paged-logits call starts early (``PagedLogitsConfig.early_tiles``).
 PDL_LEVELS = ("0", "1", "2")
 
 

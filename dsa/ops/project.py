@@ -676,7 +676,10 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            dtype=_TL_DTYPES[hidden.dtype], H=n.heads, D=n.head_dim, BLOCK_D=block_d,
            BLOCK_R=block_r, H_SLICES=h_slices, Q_SLICES=q_slices,
            VALUE_STRIDE=values.stride(0), SCALE_STRIDE=scales.stride(0), BS=block_size,
-           UE8M0=ue8m0, num_warps=tile_warps(block_r, block_d), PDL=chain,
+           UE8M0=ue8m0, num_warps=tile_warps(block_r, block_d),
+           # Unchained (launched without PDL, its wait a no-op), it still lets a dependent
+           # start: the paged logits' early start (PagedLogitsConfig.early_tiles).
+           PDL=max(chain, int(pdl)),
            **rope_constexprs(n.head_dim, cos_sin, hadamard, interleaved),
            **pdl_launch(chain > 0))
 

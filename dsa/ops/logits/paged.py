@@ -32,11 +32,13 @@ from dsa.ops._checks import (
 )
 from dsa.ops._launch import (
     CHAIN_KEYS,
+    EARLY_ROWS,
     chain_pdl,
     has_tma,
     launch,
     on_nvidia_gpu,
     pdl_chain_wait,
+    pdl_enabled,
     pdl_launch,
 )
 from dsa.ops._registry import dsa_op
@@ -80,6 +82,13 @@ class PagedLogitsConfig:
     on a table read issued in the loop. Taken where each tile lies within one block and a
     program takes at most ``PRELOAD_MAX_TILES`` tiles (a tile's id is then picked from
     registers cheaply), else ignored."""
+    early_tiles: int = 0
+    """Start while the kernel before it runs (programmatic dependent launch) and prefetch
+    into L2 the K values and key scales of a program's first ``early_tiles`` tiles before
+    waiting for that kernel's end, whose writes (q, the step's new keys) only the reads
+    after the wait see. Taken for calls of more than ``CHAIN_KEYS`` keys (no chain of their
+    own) of more than one row, on an NVIDIA GPU of compute capability 9 or more, with each
+    tile within one block; else ignored."""
 
 
 class PagedLaunch(NamedTuple):
@@ -95,6 +104,7 @@ class PagedLaunch(NamedTuple):
     direct_store: bool
     keep_in_l2: bool
     blocks_preloaded: bool
+    early_tiles: int
 
 
 # By next_n, from H200 runs (H 64, D 128, tile 64, 1M and 4M keys; BENCHMARKS.md, the
@@ -112,13 +122,16 @@ class PagedLaunch(NamedTuple):
 # its schedule 3.1); next_n 2 176.0 against 181.6 (1M keys: 45.3 against 47.8); next_n 4 at
 # 1M keys 83.3 against 86.1; next_n 3 slower with 64-128 block ids preloaded (145.9 against
 # 130.4 at 2M keys), its direct stores kept in L2 ("thirtieth", inline PTX): 249.2 against
-# 252.5 us at 64x65536, 65.0 against 65.9 at 16x65536.
+# 252.5 us at 64x65536, 65.0 against 65.9 at 16x65536. Started early with 2 tiles a program
+# prefetched at next_n 1 ("forty-fifth", H100, bench_step's layer, us device / kernels read
+# over, two rounds): 64x65536 253.0-253.3 / 241.9-243.1 against 253.8-254.8 / 244.0-244.1,
+# 128x32768 255.4-255.5 / 245.6 against 256.3-256.9 / 245.9-246.4; 4 tiles 1.5-2.5 slower.
 # Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs the launch
 # decided before capture.
-PAGED_LAUNCH = {1: PagedLaunch(32, False, 4, 3, True, True, False, True, True),
-                2: PagedLaunch(32, True, 4, 3, True, True, False, True, True),
-                3: PagedLaunch(128, True, 4, 3, True, True, True, True, False),
-                4: PagedLaunch(128, False, 4, 4, False, True, False, True, True)}
+PAGED_LAUNCH = {1: PagedLaunch(32, False, 4, 3, True, True, False, True, True, 2),
+                2: PagedLaunch(32, True, 4, 3, True, True, False, True, True, 0),
+                3: PagedLaunch(128, True, 4, 3, True, True, True, True, False, 0),
+                4: PagedLaunch(128, False, 4, 4, False, True, False, True, True, 0)}
 SPLIT_ROWS_MAX_NEXT_N = 4
 PRELOAD_MAX_TILES = 32
 
@@ -127,8 +140,8 @@ def paged_logits_config(batch: int, next_n: int, max_context_len: int) -> PagedL
     """Default launch parameters for a shape: 64-token tiles (one cache block of 64 per
     tile), about 512 programs or more, each taking at most ``most_tiles`` tiles of its
     request's context (so one long request still spreads over every SM), and the MMA shape,
-    warps, stages, key-scale prefetch, K copies and stores from ``PAGED_LAUNCH`` (next_n past
-    4: next_n 4's)."""
+    warps, stages, key-scale prefetch, K copies, stores and early start from ``PAGED_LAUNCH``
+    (next_n past 4: next_n 4's)."""
     tile = 64
     tiles = batch * max(1, triton.cdiv(max_context_len, tile))
     launch = PAGED_LAUNCH[min(max(next_n, 1), 4)]
@@ -265,6 +278,30 @@ def _row_logits(k, k_scale, q_t, w):
 
 
 @triton.jit
+def _prefetch_tiles(value_ptr, scale_ptr, bt_row, t_begin, t_end, width, num_blocks, cols,
+                    TILES: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+                    VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr):
+    """L2 prefetch (inline PTX, nothing waits on it) of the values and key scales of tiles
+    ``t_begin .. t_begin + TILES - 1`` before ``t_end``, tiles within one block; a tile past
+    the table or of a block outside the cache prefetches block 0's lines."""
+    for i in tl.static_range(TILES):
+        t = t_begin + i
+        bt_col = t * TILE // BS
+        blk = tl.load(bt_row + bt_col, mask=(bt_col < width) & (t < t_end), other=-1)
+        blk = tl.where((blk >= 0) & (blk < num_blocks), blk, 0).to(tl.int64)
+        off = (t * TILE + cols) % BS
+        _prefetch_l2(value_ptr + blk * VALUE_STRIDE + off * D)
+        _prefetch_l2(scale_ptr + blk * SCALE_STRIDE + off)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """L2 prefetch of the lines holding ``ptrs`` (inline PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _store_in_place(ptrs, values, mask, EVICTION: tl.constexpr):
     """Masked fp32 store from the values' own layout (one st.global per element and thread
     holding it): ``tl.store`` first converts a tile to a coalesced layout, through shared
@@ -296,10 +333,17 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
                          TILE: tl.constexpr, SPLIT_ROWS: tl.constexpr,
                          SCALES_AHEAD: tl.constexpr, TMA: tl.constexpr,
                          DIRECT_STORE: tl.constexpr, PRELOAD: tl.constexpr,
-                         SPAN: tl.constexpr, EVICTION: tl.constexpr, PDL: tl.constexpr):
-    pdl_chain_wait(PDL)
+                         SPAN: tl.constexpr, EVICTION: tl.constexpr, PDL: tl.constexpr,
+                         EARLY_TILES: tl.constexpr):
     split = tl.program_id(0)
     b = tl.program_id(1)
+    if EARLY_TILES:  # launched with PDL, no chain (PDL 0): the wait after the prefetch
+        _prefetch_tiles(value_ptr, scale_ptr, bt_ptr + b.to(tl.int64) * bt_stride,
+                        split * tiles_per_program, (split + 1) * tiles_per_program, width,
+                        num_blocks, tl.arange(0, TILE), EARLY_TILES, D, BS, TILE, VALUE_STRIDE,
+                        SCALE_STRIDE)
+        tl.extra.cuda.gdc_wait()
+    pdl_chain_wait(PDL)
     # The request's next_n rows: context lengths (clamped to the output width).
     jn = tl.arange(0, NP)
     ctx = tl.load(ctx_ptr + b * N + jn, mask=jn < N, other=0)
@@ -429,7 +473,10 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
     hp = max(triton.next_power_of_2(num_heads), 16 if config.split_rows else triton.cdiv(16, np_))
     num_tiles = triton.cdiv(max_context_len, config.tile)
     grid = (triton.cdiv(num_tiles, config.tiles_per_program), batch)
-    pdl = chain_pdl(q_fp8, batch * next_n * max_context_len <= CHAIN_KEYS, batch * next_n)
+    small = batch * next_n * max_context_len <= CHAIN_KEYS
+    pdl = chain_pdl(q_fp8, small, batch * next_n)
+    early = (config.early_tiles if not small and batch * next_n > EARLY_ROWS
+             and block_size % config.tile == 0 and pdl_enabled(q_fp8) else 0)
     # SPAN is a compile-time size: only launches that preload compile per span.
     preload = (config.blocks_preloaded and block_size % config.tile == 0
                and config.tiles_per_program <= PRELOAD_MAX_TILES)
@@ -444,8 +491,8 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
         TMA=k_desc is not None, DIRECT_STORE=config.direct_store and on_nvidia_gpu(q_fp8),
         PRELOAD=preload, SPAN=triton.next_power_of_2(config.tiles_per_program) if preload else 1,
         EVICTION="evict_last" if config.keep_in_l2 else "",
-        num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl,
-        **pdl_launch(pdl > 0),
+        num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl, EARLY_TILES=early,
+        **pdl_launch(pdl > 0 or early > 0),
     )
     return out
 
