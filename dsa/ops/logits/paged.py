@@ -123,9 +123,9 @@ class PagedLaunch(NamedTuple):
 # 1M keys 83.3 against 86.1; next_n 3 slower with 64-128 block ids preloaded (145.9 against
 # 130.4 at 2M keys), its direct stores kept in L2 ("thirtieth", inline PTX): 249.2 against
 # 252.5 us at 64x65536, 65.0 against 65.9 at 16x65536. Started early with 2 tiles a program
-# prefetched at next_n 1 ("forty-fifth", H100, bench_step's layer, us device / kernels read
-# over, two rounds): 64x65536 253.0-253.3 / 241.9-243.1 against 253.8-254.8 / 244.0-244.1,
-# 128x32768 255.4-255.5 / 245.6 against 256.3-256.9 / 245.9-246.4; 4 tiles 1.5-2.5 slower.
+# prefetched, next_n 1 ("forty-fifth", H100, bench_step's layer, us off the device time in
+# two processes of two rounds each): 64x65536 0.8-1.5 and 0.2-0.8, 128x32768 0.9-1.4 and
+# 0.4-0.9 (kernels read over 0.1-2.1); 4 tiles 1.5-2.5 slower.
 # Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs the launch
 # decided before capture.
 PAGED_LAUNCH = {1: PagedLaunch(32, False, 4, 3, True, True, False, True, True, 2),
