@@ -125,7 +125,7 @@ class PagedLaunch(NamedTuple):
 # 252.5 us at 64x65536, 65.0 against 65.9 at 16x65536. Started early with 2 tiles a program
 # prefetched, next_n 1 ("forty-fifth", H100, bench_step's layer, us off the device time in
 # two processes of two rounds each): 64x65536 0.8-1.5 and 0.2-0.8, 128x32768 0.9-1.4 and
-# 0.4-0.9 (kernels read over 0.1-2.1); 4 tiles 1.5-2.5 slower.
+# 0.4-0.9 (kernels read over 0.1-2.1); 4 tiles 1.3-2.5 slower.
 # Fixed, not autotuned: the interpreter cannot autotune and a captured graph needs the launch
 # decided before capture.
 PAGED_LAUNCH = {1: PagedLaunch(32, False, 4, 3, True, True, False, True, True, 2),
