@@ -215,12 +215,13 @@ test_topk_indices_and_slots_consume_cpu, test_topk_indices_and_slots_consume_ker
 @given(case=topk_cases(max_rows=3, max_cols=400), parts=st.sampled_from([1, 2, 4]),
        block=st.sampled_from([32, 128]), cap=st.sampled_from([16, 64, 128, 512]),
        margin=st.sampled_from([-100.0, 0.0, 4.0, 1e9]), bf16=st.booleans(),
-       streamed=st.sampled_from([None, *SEARCH_NAMES]))
-def test_launch_variants_interpreted(search, case, parts, block, cap, margin, bf16, streamed):
+       streamed=st.sampled_from([None, *SEARCH_NAMES]), unmasked=st.booleans())
+def test_launch_variants_interpreted(search, case, parts, block, cap, margin, bf16, streamed,
+                                     unmasked):
     """Rows read whole (valid <= cap), thresholded rows, and the streamed search when the
     threshold is too high (margin -100: fewer than k keys above it) or too low (1e9, or
-    cap 16: more candidates than cap), with split parts and tiny blocks; slots from every
-    path."""
+    cap 16: more candidates than cap), with split parts and tiny blocks, the candidates'
+    inner blocks masked or not; slots from every path."""
     logits, lengths, k, starts = case
     if bf16:
         logits = logits.bfloat16()
@@ -229,7 +230,7 @@ def test_launch_variants_interpreted(search, case, parts, block, cap, margin, bf
     out = launch_topk(logits, lengths, k, starts, slots=SlotArgs(slots, *table), parts=parts,
                       block=block, select_cap=cap, sample_groups=16, margin=margin,
                       finish_block=32, num_warps=1, select_warps=1, search=search,
-                      streamed_search=streamed)
+                      streamed_search=streamed, unmasked_rows=0 if unmasked else None)
     check_both(logits.float(), lengths, k, starts, out)
     check_slots(out, slots, *table)
 
@@ -237,8 +238,8 @@ def test_launch_variants_interpreted(search, case, parts, block, cap, margin, bf
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test")
 @pytest.mark.interpret
 @pytest.mark.parametrize("variant", [*({"search": s} for s in SEARCH_NAMES), {"early_load": False},
-                                     {"sample_width": 4}],
-                         ids=[*SEARCH_NAMES, "late_load", "sample_width4"])
+                                     {"sample_width": 4}, {"unmasked_rows": 3}],
+                         ids=[*SEARCH_NAMES, "late_load", "sample_width4", "unmasked"])
 @pytest.mark.parametrize("margin", [-100.0, 4.0, 1e9])
 def test_sampled_threshold_paths(margin, variant):
     """Long rows through the candidates pass: kept (margin 4) or the streamed search
@@ -626,6 +627,8 @@ def test_gpu_launch_variants(parts, kind):
                     *(dict(parts=parts, search=search) for search in SEARCH_NAMES),
                     *(dict(parts=parts, margin=-100.0, search=search) for search in SEARCH_NAMES),
                     dict(parts=parts, early_load=False), dict(parts=parts, margin=12.0),
+                    dict(parts=parts, unmasked_rows=64), dict(parts=parts, block=2048,
+                                                              unmasked_rows=64),
                     dict(parts=parts, sample_width=4),
                     dict(parts=parts, select_warps=4, select_regs=128, candidates_regs=96),
                     *(dict(parts=parts, select_cap=2048, streamed_search=search)

@@ -223,15 +223,39 @@ def _sample_threshold(row_ptr, lo, hi, k, margin, G: tl.constexpr, W: tl.constex
 
 
 @triton.jit
+def _keep_block(row_ptr, region, ahead, cols, a, b, t, lo, off, seen, INSIDE: tl.constexpr,
+                BLOCK: tl.constexpr, CAP: tl.constexpr):
+    """One block of the candidates stream: its keys >= T (``ahead``: the block's logits)
+    into the region after the ``seen`` before; returns the next block's logits (its load in
+    flight while this one is ranked and stored) and the new count. INSIDE: this block and
+    the next lie wholly in ``[a, b)``: no masks."""
+    key = search_key(ahead)
+    if INSIDE:
+        ahead = tl.load(row_ptr + cols + BLOCK)
+        take = key >= t
+    else:
+        ahead = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < b, other=0.0)
+        take = in_span(cols, a, b) & (key >= t)
+    before, total = slots(take.to(tl.int32))
+    pos = seen + before
+    packed = (key.to(tl.int64) << 32) | ((cols - lo + off).to(tl.int64) & 0xFFFFFFFF)
+    scatter(region + pos, packed, take & (pos < CAP), BLOCK)
+    return ahead, seen + total
+
+
+@triton.jit
 def _candidates_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr, count_ptr,
                        n_cols, k, margin, HAS_STARTS: tl.constexpr, PARTS: tl.constexpr,
                        G: tl.constexpr, W: tl.constexpr, CAP: tl.constexpr,
                        BLOCK: tl.constexpr, C: tl.constexpr, RADIX: tl.constexpr,
-                       PIVOTS: tl.constexpr, EARLY_LOAD: tl.constexpr, PDL: tl.constexpr):
+                       PIVOTS: tl.constexpr, EARLY_LOAD: tl.constexpr, UNMASKED: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (row, part) of a row with ``valid > CAP``: the row's threshold T from a
     sample, then the part's keys >= T with their output indices (one int64: key in the
     high half) into its region of ``CAP`` entries, and their count (it may exceed CAP).
-    EARLY_LOAD: the part's first block is loaded before the threshold is searched."""
+    EARLY_LOAD: the part's first block is loaded before the threshold is searched.
+    UNMASKED: the blocks lying wholly in the part's span, their next block too, go without
+    masks (a partial first block, the last whole one and a partial last one keep them)."""
     pdl_chain_wait(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -247,17 +271,24 @@ def _candidates_kernel(logits_ptr, stride_row, lengths_ptr, starts_ptr, cand_ptr
             ahead = tl.load(row_ptr + base + offs, mask=base + offs < b, other=0.0)
         region = cand_ptr + (row * PARTS + part).to(tl.int64) * CAP
         seen = tl.zeros([], tl.int32)
-        for c in range(base, b, BLOCK):
-            cols = c + offs
-            key = search_key(ahead)
-            # the next block's load is in flight while this one is ranked and stored
-            ahead = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < b, other=0.0)
-            take = in_span(cols, a, b) & (key >= t)
-            before, total = slots(take.to(tl.int32))
-            pos = seen + before
-            packed = (key.to(tl.int64) << 32) | ((cols - lo + off).to(tl.int64) & 0xFFFFFFFF)
-            scatter(region + pos, packed, take & (pos < CAP), BLOCK)
-            seen += total
+        if UNMASKED:
+            # [base, inner): a partial first block; [inner, last): whole blocks followed by a
+            # whole one; [last, b): the last whole block and a partial one
+            inner = tl.where(a > base, base + BLOCK, base)
+            last = inner + tl.maximum((b - inner) // BLOCK - 1, 0) * BLOCK
+            for c in range(base, tl.minimum(inner, b), BLOCK):
+                ahead, seen = _keep_block(row_ptr, region, ahead, c + offs, a, b, t, lo, off,
+                                          seen, False, BLOCK, CAP)
+            for c in range(inner, last, BLOCK):
+                ahead, seen = _keep_block(row_ptr, region, ahead, c + offs, a, b, t, lo, off,
+                                          seen, True, BLOCK, CAP)
+            for c in range(last, b, BLOCK):
+                ahead, seen = _keep_block(row_ptr, region, ahead, c + offs, a, b, t, lo, off,
+                                          seen, False, BLOCK, CAP)
+        else:
+            for c in range(base, b, BLOCK):
+                ahead, seen = _keep_block(row_ptr, region, ahead, c + offs, a, b, t, lo, off,
+                                          seen, False, BLOCK, CAP)
         tl.store(count_ptr + row * PARTS + part, seen)
 
 
@@ -475,6 +506,11 @@ class Tuning:
         1x32K, 20.6 / 21.2 at 1x128K (64: 1.03, 1.93, 21.1; 96: 1.02, 1.83, 20.8).
         torch.compile keeps the caps (the launch keyword reaches the kernel: 1.41 ms
         compiled as eager, at 40a20ff).
+    unmasked_rows: with at least this many rows, the candidates pass streams the blocks
+        lying wholly in a part's span without masks (None: never). Not yet measured in
+        this form; a form measured on the H200 (BENCHMARKS.md, "fortieth", "forty-first")
+        took 1.0-1.5 µs off 64-128 rows and 10 of 261 off 4096 prefill rows, and cost
+        0.3-4.8 with 2-16 long rows (hence a row bound).
     preload_rows: with at most this many rows read whole (and no starts), a row's load is
         issued before its length is known (the latency of one read fewer; more rows hide
         it anyway, and the load reads past short lengths). finish_block: step of the rows
@@ -506,6 +542,7 @@ class Tuning:
     search: str = "trisect"  # H200: quintisect 31.8 µs vs 28.5 at 64x64K (bench_topk_sweep)
     streamed_search: str | None = "quintisect"  # a row streamed: 207 µs vs 336 (trisect)
     early_load: bool = True  # H200, with width 8: 20.7 µs vs 22.2 at 2x128K (late load)
+    unmasked_rows: int | None = None
 
     def parts(self, rows: int, n_cols: int) -> int:
         """Candidates programs a row of ``rows`` rows of ``n_cols`` columns (:func:`choose_parts`
@@ -584,6 +621,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
             *head, cand, counts, n_cols, k, min(max(float(tune.margin), -1e4), 1e4),
             PARTS=parts, G=sample_groups, W=sample_width, CAP=select_cap, BLOCK=block,
             C=min(block, 128 * tune.num_warps), EARLY_LOAD=bool(tune.early_load),
+            UNMASKED=tune.unmasked_rows is not None and rows >= tune.unmasked_rows,
             num_warps=tune.num_warps, **flags,
             **_regs(tune.candidates_regs, CANDIDATES_REGS, rows, tune.scale_rows),
         )
