@@ -30,6 +30,7 @@ from dsa.ops._checks import (
     check_size,
     check_tensor,
 )
+from dsa.ops._l2 import prefetch_lines
 from dsa.ops._launch import (
     CHAIN_KEYS,
     EARLY_ROWS,
@@ -290,15 +291,8 @@ def _prefetch_tiles(value_ptr, scale_ptr, bt_row, t_begin, t_end, width, num_blo
         blk = tl.load(bt_row + bt_col, mask=(bt_col < width) & (t < t_end), other=-1)
         blk = tl.where((blk >= 0) & (blk < num_blocks), blk, 0).to(tl.int64)
         off = (t * TILE + cols) % BS
-        _prefetch_l2(value_ptr + blk * VALUE_STRIDE + off * D)
-        _prefetch_l2(scale_ptr + blk * SCALE_STRIDE + off)
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """L2 prefetch of the lines holding ``ptrs`` (inline PTX)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
+        prefetch_lines(value_ptr + blk * VALUE_STRIDE + off * D)
+        prefetch_lines(scale_ptr + blk * SCALE_STRIDE + off)
 
 
 @triton.jit

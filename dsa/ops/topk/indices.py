@@ -53,6 +53,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsa.ops._checks import INDEX_DTYPES, check_int, check_tensor
+from dsa.ops._l2 import discard_lines
 from dsa.ops._launch import (
     CHAIN_ROWS,
     chain_pdl,
@@ -64,7 +65,6 @@ from dsa.ops._launch import (
 from dsa.ops._registry import dsa_op
 from dsa.ops.topk.select import (
     INT_MIN,
-    discard_lines,
     gather,
     in_span,
     kth_search,

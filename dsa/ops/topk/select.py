@@ -78,20 +78,6 @@ def part_span(lo, hi, part, PARTS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def discard_lines(start, end, LINES: tl.constexpr):
-    """Drops from L2, unwritten, the 128-byte lines lying wholly in bytes ``[start, end)``
-    (int64 addresses): their contents become undefined, and dead data costs no write-back.
-    NVIDIA GPUs only (inline PTX)."""
-    last = end // 128
-    for first in range((start + 127) // 128, last, LINES):
-        line = first + tl.arange(0, LINES)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p discard.global.L2 [$1], 128; "
-            "mov.u32 $0, 0; }", "=r,l,r", [line * 128, (line < last).to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def tile(R: tl.constexpr, C: tl.constexpr):
     """Offsets ``0 .. R*C - 1`` as an ``[R, C]`` tile, rows contiguous. With C a multiple of
     the thread count, a thread's elements of a column are its register repeats."""
