@@ -296,6 +296,22 @@ def test_project_gpu(tokens, ue8m0):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 3, 64, 100])
+def test_project_gpu_discarded_q_partials(tokens, monkeypatch):
+    """The prologue's q partials dropped from L2 once read (``DISCARD_Q_PARTIALS``): q, the
+    head weights and the cache bit for bit as without, read back right after the launch
+    (a line of theirs dropped unwritten would read stale)."""
+    args = project_case(tokens, tokens, 7168, 1536, 64, 128, rope_dim=64, block_size=64)
+    monkeypatch.setattr(project, "DISCARD_Q_PARTIALS", False)
+    want = run_project("kernel", args)
+    monkeypatch.setattr(project, "DISCARD_Q_PARTIALS", True)
+    got = run_project("kernel", args)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("tokens", [2, 16])
 def test_project_gpu_16_bit_weights_proj(tokens):
     """weights_proj in the activations' dtype (one product per step, not three)."""

@@ -43,11 +43,13 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsa.ops._checks import check_size, check_tensor
+from dsa.ops._l2 import discard_lines
 from dsa.ops._launch import (
     CHAIN_ROWS,
     chain_pdl,
     has_tma,
     launch,
+    on_nvidia_gpu,
     pdl_chain_wait,
     pdl_enabled,
     pdl_launch,
@@ -111,6 +113,10 @@ _BLOCK = tl.constexpr(WEIGHT_BLOCK)
 # (b96013f, the kernel after a 256 MB flush): 3.4 / 4.6 / 7.0 us at 16 / 64 / 128 tokens
 # against 4.6 / 6.0 / 8.8 with row_tile's 8-16 rows in 2-4 warps.
 PROLOGUE_ROWS = 2
+# Whether a prologue program drops its q partial sums' lines from L2 once it has read them
+# (on NVIDIA GPUs): dead after it, left dirty they are written back under the paged logits'
+# K reads (4 MB at 64 tokens). Not yet measured, so off.
+DISCARD_Q_PARTIALS = False
 
 
 class PartialsPlan(NamedTuple):
@@ -541,9 +547,11 @@ def _q_rows(pid, hpart_ptr, qpart_ptr, tokens, q_out_ptr, hw_ptr, cs_ptr, pos_pt
             w_scale, dtype: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, H_SLICES: tl.constexpr,
             Q_SLICES: tl.constexpr, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-            HADAMARD: tl.constexpr, LOG2_D: tl.constexpr, UE8M0: tl.constexpr):
+            HADAMARD: tl.constexpr, LOG2_D: tl.constexpr, UE8M0: tl.constexpr,
+            DISCARD: tl.constexpr):
     """BLOCK_R rows of the flat ``[T * H]`` q heads: q and weight partials added up, q
-    rounded to ``dtype``, then the q prologue."""
+    rounded to ``dtype``, then the q prologue. DISCARD: then the rows' q partials (read by
+    this program only) leave L2 unwritten."""
     d, partner, in_rope = rope_partner(BLOCK_D, ROPE_DIM, INTERLEAVED)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < tokens * H
@@ -561,6 +569,13 @@ def _q_rows(pid, hpart_ptr, qpart_ptr, tokens, q_out_ptr, hw_ptr, cs_ptr, pos_pt
                 H_SLICES)
     store_q_rows(x, w, rows, tokens * H, q_out_ptr, hw_ptr, w_scale, D=D, BLOCK_D=BLOCK_D,
                  UE8M0=UE8M0)
+    if DISCARD:
+        tl.debug_barrier()  # every thread's reads of the partials are done
+        first = pid * BLOCK_R
+        size = (tl.minimum(first + BLOCK_R, tokens * H) - first).to(tl.int64) * (D * 4)
+        for s in tl.static_range(Q_SLICES):
+            start = (qpart_ptr + s * q_stride + first.to(tl.int64) * D).to(tl.int64)
+            discard_lines(start, start + size, BLOCK_R * BLOCK_D // 32)
 
 
 @triton.jit
@@ -603,14 +618,14 @@ def _prologue_kernel(hpart_ptr, qpart_ptr, tokens, q_programs, nw_ptr, nb_ptr, e
                      VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, BS: tl.constexpr,
                      ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
                      HADAMARD: tl.constexpr, LOG2_D: tl.constexpr, UE8M0: tl.constexpr,
-                     PDL: tl.constexpr):
+                     DISCARD: tl.constexpr, PDL: tl.constexpr):
     """The first ``q_programs`` programs: :func:`_q_rows`; then one per token: :func:`_k_token`."""
     pdl_chain_wait(PDL)
     pid = tl.program_id(0)
     if pid < q_programs:
         _q_rows(pid, hpart_ptr, qpart_ptr, tokens, q_out_ptr, hw_ptr, cs_ptr, pos_ptr, max_pos,
                 c, w_scale, dtype, H, D, BLOCK_D, BLOCK_R, H_SLICES, Q_SLICES, ROPE_DIM,
-                INTERLEAVED, HADAMARD, LOG2_D, UE8M0)
+                INTERLEAVED, HADAMARD, LOG2_D, UE8M0, DISCARD)
     else:
         _k_token(pid - q_programs, hpart_ptr, tokens, nw_ptr, nb_ptr, eps, slot_ptr, value_ptr,
                  scale_ptr, num_slots, cs_ptr, pos_ptr, max_pos, c, dtype, H, D, BLOCK_D,
@@ -676,7 +691,8 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            dtype=_TL_DTYPES[hidden.dtype], H=n.heads, D=n.head_dim, BLOCK_D=block_d,
            BLOCK_R=block_r, H_SLICES=h_slices, Q_SLICES=q_slices,
            VALUE_STRIDE=values.stride(0), SCALE_STRIDE=scales.stride(0), BS=block_size,
-           UE8M0=ue8m0, num_warps=tile_warps(block_r, block_d),
+           UE8M0=ue8m0, DISCARD=DISCARD_Q_PARTIALS and on_nvidia_gpu(hidden),
+           num_warps=tile_warps(block_r, block_d),
            # Unchained (launched without PDL, its wait a no-op), it still lets a dependent
            # start: the paged logits' early start (PagedLogitsConfig.early_tiles).
            PDL=max(chain, int(pdl)),
