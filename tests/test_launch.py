@@ -27,6 +27,20 @@ def test_pdl_never_on_the_cpu(monkeypatch, level):
     assert _launch.pdl_launch(False) == {} and _launch.pdl_launch(True) == {"launch_pdl": True}
 
 
+def test_pdl_never_on_rocm(monkeypatch):
+    """ROCm's devices are "cuda" too (MI300 reports compute capability 9.4), but the PDL
+    waits and triggers are PTX: never there, whatever the level."""
+    monkeypatch.setattr(_launch, "PDL", 2)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
+
+    class RocmTensor:
+        is_cuda = True
+        device = torch.device("cuda", 0)
+
+    assert not any(_launch.pdl_enabled(RocmTensor(), small) for small in (None, False, True))
+
+
 @pytest.mark.parametrize(("small", "rows", "mode"),
                          [(False, 1, 0), (True, 1, 2), (True, 2, 1), (True, 16, 1)])
 def test_chain_pdl_starts_dependents_first_only_for_one_row(monkeypatch, small, rows, mode):

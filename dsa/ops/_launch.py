@@ -79,12 +79,13 @@ EARLY_ROWS = 1
 
 
 def pdl_enabled(x: torch.Tensor, small: bool | None = None) -> bool:
-    """Whether a kernel on ``x``'s device takes programmatic dependent launch: CUDA on
-    SM90+, outside tracing (``wrap_triton`` does not pass launch options), ``DSA_PDL`` at
-    least 1; a kernel of the step's chain (``small`` given: whether it is within
-    ``CHAIN_ROWS`` / ``CHAIN_KEYS``) at ``DSA_PDL`` 2, or 1 where ``small``."""
+    """Whether a kernel on ``x``'s device takes programmatic dependent launch: an NVIDIA GPU
+    of SM90+ (its waits and triggers, and the early start's L2 prefetch, are PTX), outside
+    tracing (``wrap_triton`` does not pass launch options), ``DSA_PDL`` at least 1; a
+    kernel of the step's chain (``small`` given: whether it is within ``CHAIN_ROWS`` /
+    ``CHAIN_KEYS``) at ``DSA_PDL`` 2, or 1 where ``small``."""
     wanted = PDL >= 1 if small is None else PDL >= 2 or (PDL == 1 and small)
-    return (wanted and x.is_cuda and not is_in_torch_dispatch_mode()
+    return (wanted and on_nvidia_gpu(x) and not is_in_torch_dispatch_mode()
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
