@@ -230,7 +230,7 @@ def test_launch_variants_interpreted(search, case, parts, block, cap, margin, bf
     out = launch_topk(logits, lengths, k, starts, slots=SlotArgs(slots, *table), parts=parts,
                       block=block, select_cap=cap, sample_groups=16, margin=margin,
                       finish_block=32, num_warps=1, select_warps=1, search=search,
-                      streamed_search=streamed, unmasked_rows=0 if unmasked else None)
+                      streamed_search=streamed, unmasked_rows=(0, 2**31) if unmasked else None)
     check_both(logits.float(), lengths, k, starts, out)
     check_slots(out, slots, *table)
 
@@ -238,7 +238,7 @@ def test_launch_variants_interpreted(search, case, parts, block, cap, margin, bf
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test")
 @pytest.mark.interpret
 @pytest.mark.parametrize("variant", [*({"search": s} for s in SEARCH_NAMES), {"early_load": False},
-                                     {"sample_width": 4}, {"unmasked_rows": 3}],
+                                     {"sample_width": 4}, {"unmasked_rows": (3, 2**31)}],
                          ids=[*SEARCH_NAMES, "late_load", "sample_width4", "unmasked"])
 @pytest.mark.parametrize("margin", [-100.0, 4.0, 1e9])
 def test_sampled_threshold_paths(margin, variant):
@@ -627,8 +627,8 @@ def test_gpu_launch_variants(parts, kind):
                     *(dict(parts=parts, search=search) for search in SEARCH_NAMES),
                     *(dict(parts=parts, margin=-100.0, search=search) for search in SEARCH_NAMES),
                     dict(parts=parts, early_load=False), dict(parts=parts, margin=12.0),
-                    dict(parts=parts, unmasked_rows=64), dict(parts=parts, block=2048,
-                                                              unmasked_rows=64),
+                    dict(parts=parts, unmasked_rows=None), dict(parts=parts, block=2048,
+                                                                unmasked_rows=None),
                     dict(parts=parts, sample_width=4),
                     dict(parts=parts, select_warps=4, select_regs=128, candidates_regs=96),
                     *(dict(parts=parts, select_cap=2048, streamed_search=search)

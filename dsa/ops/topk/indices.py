@@ -506,11 +506,11 @@ class Tuning:
         1x32K, 20.6 / 21.2 at 1x128K (64: 1.03, 1.93, 21.1; 96: 1.02, 1.83, 20.8).
         torch.compile keeps the caps (the launch keyword reaches the kernel: 1.41 ms
         compiled as eager, at 40a20ff).
-    unmasked_rows: with at least this many rows, the candidates pass streams the blocks
-        lying wholly in a part's span without masks (None: never). Not yet measured in
-        this form; a form measured on the H200 (BENCHMARKS.md, "fortieth", "forty-first")
-        took 1.0-1.5 µs off 64-128 rows and 10 of 261 off 4096 prefill rows, and cost
-        0.3-4.8 with 2-16 long rows (hence a row bound).
+    unmasked_rows: with rows in this closed range, the candidates pass streams the blocks
+        lying wholly in a part's span without masks (None: never). H100 (launch_topk with
+        slots, graph µs, two rounds): 22.6 -> 22.0 at 64x64K, 22.9 -> 22.3 at 128x32K, 23.9
+        -> 22.7 at 64x64K with ragged lengths, 20.7 -> 20.4 at 16x64K; 20.0 -> 22.6 at
+        2x128K and 416.6 -> 420.7 at 4096 causal prefill rows of 32K, hence the bounds.
     preload_rows: with at most this many rows read whole (and no starts), a row's load is
         issued before its length is known (the latency of one read fewer; more rows hide
         it anyway, and the load reads past short lengths). finish_block: step of the rows
@@ -542,7 +542,7 @@ class Tuning:
     search: str = "trisect"  # H200: quintisect 31.8 µs vs 28.5 at 64x64K (bench_topk_sweep)
     streamed_search: str | None = "quintisect"  # a row streamed: 207 µs vs 336 (trisect)
     early_load: bool = True  # H200, with width 8: 20.7 µs vs 22.2 at 2x128K (late load)
-    unmasked_rows: int | None = None
+    unmasked_rows: tuple[int, int] | None = (16, 128)
 
     def parts(self, rows: int, n_cols: int) -> int:
         """Candidates programs a row of ``rows`` rows of ``n_cols`` columns (:func:`choose_parts`
@@ -553,6 +553,12 @@ class Tuning:
 
 
 TUNING = Tuning()
+
+
+def _unmasked(bounds: tuple[int, int] | None, rows: int) -> bool:
+    """Whether ``rows`` rows take the candidates pass's unmasked stream
+    (``Tuning.unmasked_rows``)."""
+    return bounds is not None and bounds[0] <= rows <= bounds[1]
 
 
 def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None = None, *,
@@ -621,7 +627,7 @@ def launch_topk(logits: Tensor, lengths: Tensor, k: int, starts: Tensor | None =
             *head, cand, counts, n_cols, k, min(max(float(tune.margin), -1e4), 1e4),
             PARTS=parts, G=sample_groups, W=sample_width, CAP=select_cap, BLOCK=block,
             C=min(block, 128 * tune.num_warps), EARLY_LOAD=bool(tune.early_load),
-            UNMASKED=tune.unmasked_rows is not None and rows >= tune.unmasked_rows,
+            UNMASKED=_unmasked(tune.unmasked_rows, rows),
             num_warps=tune.num_warps, **flags,
             **_regs(tune.candidates_regs, CANDIDATES_REGS, rows, tune.scale_rows),
         )
