@@ -287,9 +287,8 @@ def _prefetch_tiles(value_ptr, scale_ptr, bt_row, t_begin, t_end, width, num_blo
     the table or of a block outside the cache prefetches block 0's lines."""
     for i in tl.static_range(TILES):
         t = t_begin + i
-        bt_col = t * TILE // BS
-        blk = tl.load(bt_row + bt_col, mask=(bt_col < width) & (t < t_end), other=-1)
-        blk = tl.where((blk >= 0) & (blk < num_blocks), blk, 0).to(tl.int64)
+        blk, _ = _tile_blocks(bt_row, t, 0, width, num_blocks, cols, cols, 0, BS, TILE, False)
+        blk = tl.where(t < t_end, blk, 0)
         off = (t * TILE + cols) % BS
         prefetch_lines(value_ptr + blk * VALUE_STRIDE + off * D)
         prefetch_lines(scale_ptr + blk * SCALE_STRIDE + off)
