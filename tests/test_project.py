@@ -296,12 +296,16 @@ def test_project_gpu(tokens, ue8m0):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("tokens", [1, 3, 64, 100])
-def test_project_gpu_discarded_q_partials(tokens, monkeypatch):
+@pytest.mark.parametrize(("tokens", "heads", "head_dim"),
+                         [(1, 64, 128), (3, 64, 128), (64, 64, 128), (100, 64, 128),
+                          (1, 1, 16), (5, 3, 32)])
+def test_project_gpu_discarded_q_partials(tokens, heads, head_dim, monkeypatch):
     """The prologue's q partials dropped from L2 once read (``DISCARD_Q_PARTIALS``): q, the
     head weights and the cache bit for bit as without, read back right after the launch
-    (a line of theirs dropped unwritten would read stale)."""
-    args = project_case(tokens, tokens, 7168, 1536, 64, 128, rope_dim=64, block_size=64)
+    (a line of theirs dropped unwritten would read stale); programs of one short row (less
+    than a line of partials) too."""
+    args = project_case(tokens, tokens, 7168, 1536, heads, head_dim, rope_dim=head_dim // 2,
+                        block_size=64)
     monkeypatch.setattr(project, "DISCARD_Q_PARTIALS", False)
     want = run_project("kernel", args)
     monkeypatch.setattr(project, "DISCARD_Q_PARTIALS", True)

@@ -15,7 +15,9 @@ def prefetch_lines(ptrs):
 @triton.jit
 def discard_lines(start, end, LINES: tl.constexpr):
     """Drops from L2, unwritten, the 128-byte lines lying wholly in bytes ``[start, end)``
-    (int64 addresses): their contents become undefined, and dead data costs no write-back."""
+    (int64 addresses), ``LINES`` (>= 1) a step: their contents become undefined, and dead
+    data costs no write-back."""
+    tl.static_assert(LINES > 0, "discard_lines: LINES must be positive")
     last = end // 128
     for first in range((start + 127) // 128, last, LINES):
         line = first + tl.arange(0, LINES)

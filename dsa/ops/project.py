@@ -576,7 +576,7 @@ def _q_rows(pid, hpart_ptr, qpart_ptr, tokens, q_out_ptr, hw_ptr, cs_ptr, pos_pt
         size = (tl.minimum(first + BLOCK_R, tokens * H) - first).to(tl.int64) * (D * 4)
         for s in tl.static_range(Q_SLICES):
             start = (qpart_ptr + s * q_stride + first.to(tl.int64) * D).to(tl.int64)
-            discard_lines(start, start + size, BLOCK_R * BLOCK_D // 32)
+            discard_lines(start, start + size, (BLOCK_R * BLOCK_D + 31) // 32)
 
 
 @triton.jit
