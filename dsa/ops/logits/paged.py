@@ -287,6 +287,7 @@ def _prefetch_tiles(value_ptr, scale_ptr, bt_row, t_begin, t_end, width, num_blo
     the table or of a block outside the cache prefetches block 0's lines."""
     for i in tl.static_range(TILES):
         t = t_begin + i
+        # tiles within one block, entries loaded: `longest`, `ids` and `c0` go unread
         blk, _ = _tile_blocks(bt_row, t, 0, width, num_blocks, cols, cols, 0, BS, TILE, False)
         blk = tl.where(t < t_end, blk, 0)
         off = (t * TILE + cols) % BS
