@@ -46,8 +46,9 @@ class IndexerConfig:
         kv_cache_dtype: "fp8" (SM90 layout); "mxfp4" (Blackwell sm_10x) is planned: rejected
             off sm_10x, NotImplementedError on it.
         ue8m0_scales: round quantisation scales up to powers of two.
-        logits_backend: "auto" (dsa's Triton kernel where the H200 measured it faster, as
-            ``paged.AUTO_TRITON_MAX_KEYS``, else DeepGEMM where it can run, else Triton),
+        logits_backend: "auto" (dsa's Triton kernel where the H200 or H100 measured it
+            faster, as ``paged.auto_triton_max_keys``, else DeepGEMM where it can run, else
+            Triton),
             "triton", "deepgemm".
         decode_layout: "native" ([B, next_n] rows, each K block read once for a request's
             next_n rows; next_n <= 2 on DeepGEMM), "flat" (one row per query token, any

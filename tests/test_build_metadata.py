@@ -321,6 +321,7 @@ def test_decode_metadata_auto_backend_by_bucket(monkeypatch):
     monkeypatch.setattr(deepgemm, "paged_unsupported_reason", lambda *_: None)
     monkeypatch.setattr(deepgemm, "num_sms", lambda _: 4)
     monkeypatch.setattr(paged, "AUTO_TRITON_MAX_KEYS", {1: 1 << 20})  # a rule with a bound
+    monkeypatch.setattr(paged, "AUTO_TRITON_MAX_KEYS_BY_GPU", {})  # on any GPU
     seen = []
     real = paged.paged_backend
 

@@ -251,6 +251,7 @@ def test_paged_chooser_auto_rule(monkeypatch):
     measured faster; without the sizes, DeepGEMM."""
     monkeypatch.setattr(deepgemm, "paged_unsupported_reason",
                         lambda *shape: None if shape[-1] in deepgemm.PAGED_NEXT_N else "next_n")
+    monkeypatch.setattr(paged, "_gpu_name", lambda _: "NVIDIA H200")
     cuda = torch.device("cuda")
     choose = functools.partial(paged.paged_backend, "auto", cuda, 64, 128, 64)
     assert [choose(n) for n in (1, 2, 3, 4)] == ["deepgemm"] * 2 + ["triton"] * 2
@@ -267,6 +268,18 @@ def test_paged_chooser_auto_rule(monkeypatch):
     assert choose(2, 1, 100) == "deepgemm"
     assert paged.paged_backend("deepgemm", cuda, 64, 128, 64, 1, 1, 4096) == "deepgemm"
     assert paged.paged_backend("triton", cuda, 64, 128, 64, 1, 64, 2**20) == "triton"
+    # the H100's rule: next_n 2 to dsa's kernel at every size too
+    monkeypatch.setattr(paged, "_gpu_name", lambda _: "NVIDIA H100 80GB HBM3")
+    assert [choose(n, b, L) for n in (1, 2) for b, L in ((1, 4096), (1, 2**20), (64, 65536))
+            ] == ["triton"] * 6
+    assert [choose(n) for n in (1, 2)] == ["deepgemm"] * 2  # without the sizes
+    assert paged.paged_backend("deepgemm", cuda, 64, 128, 64, 2, 1, 4096) == "deepgemm"
+
+
+def test_paged_chooser_gpu_name_off_cuda():
+    """Off CUDA the chooser's GPU name is empty: the default rule."""
+    assert paged._gpu_name(torch.device("cpu")) == ""
+    assert paged.auto_triton_max_keys(torch.device("cpu")) is paged.AUTO_TRITON_MAX_KEYS
 
 
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4, 5])

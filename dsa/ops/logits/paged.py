@@ -580,6 +580,33 @@ def _paged_deepgemm_cuda(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, conte
 # "auto" takes DeepGEMM wherever it runs (next_n <= 2 on SM90) and dsa's kernel where it
 # does not (next_n 3 and 4, other GPUs, the CPU).
 AUTO_TRITON_MAX_KEYS: dict[int, float] = {1: math.inf, 2: 256 * 1024}
+# The same rule for GPUs whose name holds the key, where measured otherwise. The H100 (3.0
+# TB/s, where next_n 2 is bound by HBM, not by the MMAs): next_n 2 at every size ("forty-
+# sixth", probe_tmp/auto_n2.py, bench_logits_sweep.py's timer, us dsa vs DeepGEMM with its
+# schedule: 1x4K 6.8-7.2 vs 14.5-14.9, 8x32K 23.4-23.5 vs 30.7-31.2, 1M keys 63.0-64.2 vs
+# 72.9-73.6, 4M 220.1-220.9 vs 224.7-225.6).
+AUTO_TRITON_MAX_KEYS_BY_GPU: dict[str, dict[int, float]] = {
+    "H100": {1: math.inf, 2: math.inf},
+}
+
+
+@torch.compiler.assume_constant_result
+def _gpu_name(device: torch.device) -> str:
+    """The CUDA device's name ("" for any other device, or where CUDA is absent): a constant
+    to torch.compile."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return ""
+    return torch.cuda.get_device_name(device)
+
+
+def auto_triton_max_keys(device: torch.device) -> dict[int, float]:
+    """``AUTO_TRITON_MAX_KEYS``, or the rule of ``AUTO_TRITON_MAX_KEYS_BY_GPU`` whose key
+    ``device``'s name holds."""
+    name = _gpu_name(device)
+    for key, rule in AUTO_TRITON_MAX_KEYS_BY_GPU.items():
+        if key in name:
+            return rule
+    return AUTO_TRITON_MAX_KEYS
 
 
 def paged_backend(backend: str, device: torch.device, num_heads: int, head_dim: int,
@@ -588,10 +615,10 @@ def paged_backend(backend: str, device: torch.device, num_heads: int, head_dim: 
     """"deepgemm" or "triton": the implementation ``backend`` ("auto", "triton" or
     "deepgemm") runs for this shape on ``device``. ``batch`` (logits rows of ``next_n``
     queries, q_fp8.shape[0]) and ``max_context_len`` (the row width) size the call for
-    ``AUTO_TRITON_MAX_KEYS``; without them "auto" takes DeepGEMM wherever it runs. Pure
+    :func:`auto_triton_max_keys`; without them "auto" takes DeepGEMM wherever it runs. Pure
     host logic on static sizes: a captured step decides once per bucket."""
     if (backend == "auto" and batch is not None and max_context_len is not None
-            and batch * max_context_len <= AUTO_TRITON_MAX_KEYS.get(next_n, -1)):
+            and batch * max_context_len <= auto_triton_max_keys(device).get(next_n, -1)):
         return "triton"
     return choose_backend("paged_mqa_logits", backend, lambda: deepgemm.paged_unsupported_reason(
         device, num_heads, head_dim, block_size, next_n))
