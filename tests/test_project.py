@@ -404,6 +404,39 @@ def test_project_gpu_fp8_weights(tokens):
         assert_same_outputs(run_project("kernel", fp8), run_project("kernel", dequantised))
 
 
+def fp8_tiles_by_tma_equal_pointers(args: tuple, monkeypatch) -> None:
+    """With fp8 weights (``args`` with their scales), the kernel face with their tiles by TMA
+    (``FP8_WEIGHTS_BY_TMA``) gives its outputs by pointers bit for bit."""
+    monkeypatch.setattr(project, "FP8_WEIGHTS_BY_TMA", True)
+    assert project._tma_operands(args[1], args[2], args[-2])
+    got = run_project("kernel", args)
+    monkeypatch.setattr(project, "FP8_WEIGHTS_BY_TMA", False)
+    want = run_project("kernel", args)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_project_fp8_tiles_by_tma(ue8m0, monkeypatch):
+    """fp8 ``wq_b`` and ``wk`` tiles by TMA, scaled in registers: the pointer path's outputs
+    bit for bit (37 tokens: a tile's rows past the tokens, q and k columns past a block)."""
+    if HAS_CUDA:
+        pytest.skip("the kernel face on CUDA tensors: test_project_gpu_fp8_tiles_by_tma")
+    args = project_case(5, 37, 704, 1024, 3, 32)
+    fp8_tiles_by_tma_equal_pointers(fp8_weights(args, ue8m0)[0], monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [2, 16, 64, 128, 256])
+def test_project_gpu_fp8_tiles_by_tma(tokens, monkeypatch):
+    """V3.2's sizes with its checkpoint's fp8 ``wq_b`` / ``wk``: their tiles by TMA give the
+    pointer path's q_fp8, head weights and cache bit for bit."""
+    args = project_case(tokens, tokens, 7168, 1536, 64, 128, rope_dim=64, block_size=64)
+    fp8_tiles_by_tma_equal_pointers(fp8_weights(args, ue8m0=True)[0], monkeypatch)
+
+
 test_project_opcheck = opcheck_test(
     [project_case(0, tokens, 200, 100, 4, 32) for tokens in (0, 1, 3)], op=OP)
 

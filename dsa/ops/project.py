@@ -118,6 +118,9 @@ PROLOGUE_ROWS = 2
 # K reads (4 MB at 64 tokens). H100, bench_step's layer, device µs (two rounds): 253.1 / 253.6
 # -> 252.2 / 252.2 at 64x64K, 254.9 / 255.6 -> 253.9 / 254.3 at 128x32K.
 DISCARD_Q_PARTIALS = True
+# Whether fp8 block-scaled weights' tiles go by TMA too (their codes scaled in registers as
+# the pointer path scales them, so the same sums bit for bit). Not yet measured, so off.
+FP8_WEIGHTS_BY_TMA = False
 
 
 class PartialsPlan(NamedTuple):
@@ -293,22 +296,34 @@ def _weight_tile(w, rows_ok, e0, e, width, dtype: tl.constexpr, SCALED: tl.const
                    mask=rows_ok[:, None] & (e < width)[None, :], other=0.0)
     factor = tl.full([], 1.0, tl.float32)
     if SCALED:
-        e0 = tl.minimum(e0, width - 1)  # past the width: any block's scale, the codes are 0
-        scale = tl.load(s_ptr + (row0 // _BLOCK) * s_s0 + (e0 // _BLOCK) * s_s1)
-        codes = tile.to(tl.float32)
-        exact = _exact_scale(scale, dtype)
-        if SCALE_SUMS:
-            if exact:
-                values = codes
-                factor = scale
-            else:
-                values = round_to(codes * scale, dtype)
-        elif exact:
-            values = (codes * scale).to(dtype)
-        else:  # round_to: the interpreter's bf16 cast truncates
-            values = round_to(codes * scale, dtype).to(dtype)
-        tile = values
+        tile, factor = _scaled_codes(tile, (s_ptr, s_s0, s_s1), row0, e0, width, dtype,
+                                     SCALE_SUMS)
     return tile, factor
+
+
+@triton.jit
+def _scaled_codes(codes, scales, row0, e0, width, dtype: tl.constexpr,
+                  SCALE_SUMS: tl.constexpr):
+    """(fp8 ``codes`` of rows ``row0 ..``, elements ``e0 ..`` (in one block of scales) times
+    their block's scale, as :func:`_weight_tile` takes them; the factor of their sums).
+    ``scales``: the scales' pointer and strides."""
+    s_ptr, s_s0, s_s1 = scales
+    e0 = tl.minimum(e0, width - 1)  # past the width: any block's scale, the codes are 0
+    scale = tl.load(s_ptr + (row0 // _BLOCK) * s_s0 + (e0 // _BLOCK) * s_s1)
+    codes = codes.to(tl.float32)
+    factor = tl.full([], 1.0, tl.float32)
+    exact = _exact_scale(scale, dtype)
+    if SCALE_SUMS:
+        if exact:
+            values = codes
+            factor = scale
+        else:
+            values = round_to(codes * scale, dtype)
+    elif exact:
+        values = (codes * scale).to(dtype)
+    else:  # round_to: the interpreter's bf16 cast truncates
+        values = round_to(codes * scale, dtype).to(dtype)
+    return values, factor
 
 
 @triton.jit
@@ -378,19 +393,25 @@ def _tile_dot(x, w, acc, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _tma_products(x_desc, w_desc, t0, col0, lo, TP: tl.constexpr, COLS: tl.constexpr,
-                  STEP: tl.constexpr, SLICE_STEPS: tl.constexpr, NATIVE: tl.constexpr,
-                  PDL: tl.constexpr):
-    """:func:`_tile_products` of 16-bit operands of one dtype whose tiles (tokens ``t0 ..``,
-    columns ``col0 ..``, inner-dim elements ``lo ..``) are copied by TMA (Hopper's tensor
-    memory accelerator; zeros past either operand's edges): the same products in the same
-    order. PDL: waits for the kernel before first."""
+def _tma_products(x_desc, w_desc, w_scales, t0, col0, lo, width, TP: tl.constexpr,
+                  COLS: tl.constexpr, STEP: tl.constexpr, SLICE_STEPS: tl.constexpr,
+                  SCALED: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    """:func:`_tile_products` of 16-bit activations and weights of their dtype, or (SCALED)
+    fp8 weights with block scales (``w_scales``: pointer and strides, as
+    :func:`_scaled_codes` takes them), whose tiles (tokens ``t0 ..``, columns ``col0 ..``,
+    inner-dim elements ``lo ..``) are copied by TMA (Hopper's tensor memory accelerator;
+    zeros past either operand's edges): the same products in the same order. PDL: waits for
+    the kernel before first."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([TP, COLS], tl.float32)
     for step in range(SLICE_STEPS):
         e0 = lo + step * STEP
-        acc = _tile_dot(x_desc.load([t0, e0]), w_desc.load([col0, e0]), acc, NATIVE)
+        x = x_desc.load([t0, e0])
+        w = w_desc.load([col0, e0])
+        if SCALED:
+            w, _ = _scaled_codes(w, w_scales, col0, e0, width, x.dtype, False)
+        acc = _tile_dot(x, w, acc, NATIVE)
     return acc
 
 
@@ -446,8 +467,8 @@ def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, 
     if block < K_BLOCKS:
         rows = block * COLS + c
         if K_TMA:
-            acc = _tma_products(x_desc, wk_desc, t0, block * COLS, lo, TP, COLS, STEP, H_STEPS,
-                                DOT == 2, PDL)
+            acc = _tma_products(x_desc, wk_desc, (wks_ptr, wks_s0, wks_s1), t0, block * COLS,
+                                lo, width, TP, COLS, STEP, H_STEPS, WK_SCALED, DOT == 2, PDL)
         else:
             wk_tile = (wk_ptr + rows.to(tl.int64) * wk_s0, wk_s1, block * COLS, wks_ptr,
                        wks_s0, wks_s1)
@@ -457,8 +478,8 @@ def _hidden_partials(pid, t0, x_ptr, x_s0, x_s1, wk_ptr, wk_s0, wk_s1, wks_ptr, 
     else:
         rows = (block - K_BLOCKS) * COLS + c
         if P_TMA:
-            acc = _tma_products(x_desc, wp_desc, t0, (block - K_BLOCKS) * COLS, lo, TP, COLS,
-                                STEP, H_STEPS, DOT == 2, PDL)
+            acc = _tma_products(x_desc, wp_desc, (wp_ptr, 0, 0), t0, (block - K_BLOCKS) * COLS,
+                                lo, width, TP, COLS, STEP, H_STEPS, False, DOT == 2, PDL)
         else:
             wp_tile = (wp_ptr + rows.to(tl.int64) * wp_s0, wp_s1, 0, wp_ptr, 0, 0)
             acc = _products(x, x_s0, x_s1, wp_tile, rows < H, tokens - t0, width, lo, TP, COLS,
@@ -485,8 +506,8 @@ def _q_partials(q_pid, t0, ql_ptr, ql_s0, ql_s1, wq_ptr, wq_s0, wq_s1, wqs_ptr, 
     col = col0 + tl.arange(0, Q_COLS)
     lo = s * (Q_STEPS * STEP)
     if Q_TMA:
-        acc = _tma_products(ql_desc, wq_desc, t0, col0, lo, TP, Q_COLS, STEP, Q_STEPS,
-                            DOT == 2, PDL)
+        acc = _tma_products(ql_desc, wq_desc, (wqs_ptr, wqs_s0, wqs_s1), t0, col0, lo,
+                            q_width, TP, Q_COLS, STEP, Q_STEPS, WQ_SCALED, DOT == 2, PDL)
     else:
         w = (wq_ptr + col.to(tl.int64) * wq_s0, wq_s1, col0, wqs_ptr, wqs_s0, wqs_s1)
         acc = _products(ql_ptr + t0.to(tl.int64) * ql_s0, ql_s0, ql_s1, w, col < N,
@@ -702,20 +723,23 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
 
 
 def _tma_tiles(t: Tensor) -> bool:
-    """Whether TMA can copy tiles of 2-D ``t``: 16-bit rows of unit stride at a 16-byte
-    aligned offset into their storage (whose base the allocator aligns) and row pitch, on an
-    NVIDIA GPU of compute capability 9 or more (or the CPU, where the interpreter runs the
-    kernel). Sizes only, no data pointer: the same answer for a traced (fake) tensor."""
-    return (has_tma(t) and t.dtype in (torch.bfloat16, torch.float16) and t.stride(1) == 1
-            and t.storage_offset() * t.element_size() % 16 == 0
+    """Whether TMA can copy tiles of 2-D ``t``: 16-bit or fp8 rows of unit stride at a
+    16-byte aligned offset into their storage (whose base the allocator aligns) and row
+    pitch, on an NVIDIA GPU of compute capability 9 or more (or the CPU, where the
+    interpreter runs the kernel). Sizes only, no data pointer: the same answer for a traced
+    (fake) tensor."""
+    return (has_tma(t) and t.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+            and t.stride(1) == 1 and t.storage_offset() * t.element_size() % 16 == 0
             and t.stride(0) * t.element_size() % 16 == 0)
 
 
 def _tma_operands(x: Tensor, w: Tensor, w_scale: Tensor | None = None) -> bool:
-    """Whether a product's activation and weight tiles both go by TMA: a weight without
-    block scales (fp8 codes are scaled as they are loaded), of the activations' dtype, and
-    both copyable (:func:`_tma_tiles`)."""
-    return w_scale is None and x.dtype == w.dtype and _tma_tiles(x) and _tma_tiles(w)
+    """Whether a product's activation and weight tiles both go by TMA: both copyable
+    (:func:`_tma_tiles`), 16-bit activations, and a weight of their dtype or (with
+    ``FP8_WEIGHTS_BY_TMA``) fp8 codes with block scales."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or not (_tma_tiles(x) and _tma_tiles(w)):
+        return False
+    return x.dtype == w.dtype if w_scale is None else FP8_WEIGHTS_BY_TMA
 
 
 def _tile_descriptor(t: Tensor, rows: int, cols: int, wanted: bool) -> TensorDescriptor | None:
