@@ -188,8 +188,7 @@ def tma_tiles_equal_pointers(args: tuple, monkeypatch) -> tuple:
     monkeypatch.setattr(project, "_tma_tiles", lambda t: False)
     by_pointers = run_project("kernel", args)
     monkeypatch.undo()
-    assert torch.equal(got[0].view(torch.uint8), by_pointers[0].view(torch.uint8))
-    assert torch.equal(got[1], by_pointers[1]) and torch.equal(got[2], by_pointers[2])
+    assert_same_outputs(got, by_pointers)
     return got
 
 
@@ -310,8 +309,7 @@ def test_project_gpu_discarded_q_partials(tokens, heads, head_dim, monkeypatch):
     want = run_project("kernel", args)
     monkeypatch.setattr(project, "DISCARD_Q_PARTIALS", True)
     got = run_project("kernel", args)
-    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
-    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert_same_outputs(got, want)
 
 
 @pytest.mark.gpu
@@ -412,8 +410,7 @@ def fp8_tiles_by_tma_equal_pointers(args: tuple, monkeypatch) -> None:
     got = run_project("kernel", args)
     monkeypatch.setattr(project, "FP8_WEIGHTS_BY_TMA", False)
     want = run_project("kernel", args)
-    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
-    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert_same_outputs(got, want)
 
 
 @pytest.mark.interpret
