@@ -1,7 +1,7 @@
 """Paged MQA logits on a CUDA GPU (H = 64, D = 128, block 64): next_n 1-4 against the floors,
 or a sweep of the Triton kernel's launch parameters.
 
-    python benchmarks/bench_logits_sweep.py [--out BENCHMARKS.md]   # the next_n 1-4 table
+    python benchmarks/bench_logits_sweep.py [--l2 read] [--shapes BxL,...] [--out F]  # table
     python benchmarks/bench_logits_sweep.py --sweep [--top 5]       # launch-parameter sweep
 
 Table: for every (B, L) and next_n 1-4, each request at the full context (row j of a request
@@ -12,11 +12,14 @@ fp8 compute floor (2·B·L·next_n·H·D flops at the fp8 GEMM rate measured in 
 next_n 3-4 too; "of floor" is against the larger of the two. Each time is the median of a
 one-call CUDA graph replayed by ``triton.testing.do_bench``, which writes 256 MB before
 every replay: L2 (50 MB) is cold where the working set fits in it and makes no difference
-above. Every launch is first checked against dsa's CPU face (plain torch). "pure read" (at
-B·L >= 1M) is a kernel that only reads the call's K-cache blocks (values and scales,
-through the block table) under the same timer: the share of the HBM floor any kernel can
-show there (the replay's launch and the write-back of the 256 MB's dirty lines count
-against every kernel).
+above, but its dirty lines are written back during the call. With ``--l2 read`` each time is
+the median span of the call's kernels (torch.profiler) after 256 MB read over instead: L2
+cold with clean lines, as a model's other layers leave it, and no launch of its own (as
+``bench_step.py``'s "read over" column). Every launch is first checked against dsa's CPU
+face (plain torch). "pure read" (at B·L >= 1M) is a kernel that only reads the call's
+K-cache blocks (values and scales, through the block table) under the same timer: the share
+of the HBM floor any kernel can show there (by default the replay's launch and the
+write-back of the 256 MB's dirty lines count against every kernel).
 
 Sweep: each launch captured ten times in one CUDA graph, the replay timed (median); per
 shape the fastest configs, the default (``paged_logits_config``) and DeepGEMM.
@@ -43,7 +46,18 @@ from dsa.ops.logits.paged import (
 )
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _report import add_row, bench_parser, copy_bandwidth, graph_us, markdown_table, publish, report
+from _report import (
+    add_row,
+    add_shapes_option,
+    bench_parser,
+    copy_bandwidth,
+    graph_us,
+    kernel_span_us,
+    markdown_table,
+    publish,
+    report,
+    shapes_flag,
+)
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 64, 128, 64
 L2_BYTES = 50 * 2**20
@@ -176,10 +190,26 @@ def check_configs(configs: list[PagedLogitsConfig | None]) -> list[PagedLogitsCo
 # --- the next_n 1-4 table --------------------------------------------------------------------
 
 
-def cold_us(fn) -> float:
+def written_over_us(fn) -> float:
     """Median device time of one ``fn`` in µs with L2 written over before it: a one-call CUDA
     graph (no launch overhead), timed by do_bench, which clears its cache before each replay."""
     return graph_us(fn, replays=1)
+
+
+def read_over_us(fn) -> float:
+    """Median µs from the first kernel's start to the last one's end of one ``fn`` with 256 MB
+    read over before it (clean L2 lines, as a model's other layers leave it)."""
+    return kernel_span_us(fn, flush="read")
+
+
+# --l2: how the table times a call, and the report's words for it.
+TIMERS = {
+    "written": (written_over_us, "medians of a one-call CUDA graph replayed by do_bench with "
+                "256 MB written before each replay (L2 cold, its dirty lines written back "
+                "during the call)"),
+    "read": (read_over_us, "medians of the span of a call's kernels (torch.profiler, no "
+             "launch of its own) with 256 MB read before each call (L2 cold, its lines clean)"),
+}
 
 
 def fp8_flops_per_s(n: int = 8192) -> float:
@@ -196,33 +226,33 @@ def fp8_flops_per_s(n: int = 8192) -> float:
     return 2 * n**3 / (us * 1e-6)
 
 
-def pure_read_us(batch: int, context: int) -> float:
+def pure_read_us(batch: int, context: int, timer) -> float:
     """:func:`paged_read` of a (B, L) call's cache, timed as the table's kernels are; nan
     below B·L = GOAL_KEYS, where its programs of READ_BLOCKS blocks leave SMs idle (H200:
     13.7 µs at 1×4K against the logits' 6.6) and it bounds nothing."""
     if batch * context < GOAL_KEYS:
         return float("nan")
     inputs, _ = make_inputs(batch, 1, context)
-    us = cold_us(functools.partial(paged_read, inputs[1], inputs[4]))
+    us = timer(functools.partial(paged_read, inputs[1], inputs[4]))
     del inputs
     torch.cuda.empty_cache()
     return us
 
 
 def table_row(batch: int, context: int, next_n: int, bandwidth: float, flops: float,
-              read_us: float, device: torch.device) -> tuple[list, dict]:
+              read_us: float, device: torch.device, timer) -> tuple[list, dict]:
     inputs, _ = make_inputs(batch, next_n, context)
     k_bytes = kcache_bytes(batch, context)
     working_set = k_bytes + batch * next_n * context * 4
     floor_us = k_bytes / bandwidth * 1e6
     compute_us = 2 * batch * context * next_n * HEADS * HEAD_DIM / flops * 1e6
     bound_us = max(floor_us, compute_us)
-    triton_us = cold_us(functools.partial(paged_logits_triton, *inputs, context))
+    triton_us = timer(functools.partial(paged_logits_triton, *inputs, context))
     dg_us = float("nan")
     if deepgemm.deepgemm_paged_supported(device, HEADS, HEAD_DIM, BLOCK_SIZE, next_n):
         schedule = torch.ops.dsa.paged_mqa_schedule(inputs[3], BLOCK_SIZE)
-        dg_us = cold_us(functools.partial(torch.ops.dsa.paged_mqa_logits_deepgemm, *inputs,
-                                          context, schedule))
+        dg_us = timer(functools.partial(torch.ops.dsa.paged_mqa_logits_deepgemm, *inputs,
+                                        context, schedule))
     auto = paged_backend("auto", device, HEADS, HEAD_DIM, BLOCK_SIZE, next_n, batch, context)
     config = paged_logits_config(batch, next_n, context)
     row = [batch, context, next_n, f"{working_set / 2**20:.0f}",
@@ -264,8 +294,9 @@ def goal_lines(stats: list[dict]) -> list[str]:
     return lines
 
 
-def run_table(out: str | None) -> None:
+def run_table(out: str | None, l2: str, shapes: list[tuple[int, int]] | None) -> None:
     device = torch.device("cuda")
+    timer, timing = TIMERS[l2]
     check_configs([None])
     check_paged_read()
     bandwidth = copy_bandwidth()
@@ -277,10 +308,11 @@ def run_table(out: str | None) -> None:
               "DeepGEMM GB/s", "of HBM floor", "Triton / DeepGEMM throughput", "auto picks",
               "Triton MMA/tiles/warps/stages(/TMA)"]
     rows, stats = [], []
-    for batch, context in TABLE_SHAPES:
-        read_us = pure_read_us(batch, context)
+    for batch, context in shapes or TABLE_SHAPES:
+        read_us = pure_read_us(batch, context, timer)
         for next_n in NEXT_N:
-            row, stat = table_row(batch, context, next_n, bandwidth, flops, read_us, device)
+            row, stat = table_row(batch, context, next_n, bandwidth, flops, read_us, device,
+                                  timer)
             add_row(rows, row)
             stats.append(stat)
     goals = goal_lines(stats)
@@ -290,8 +322,9 @@ def run_table(out: str | None) -> None:
         notes=(f"H={HEADS}, D={HEAD_DIM}, block {BLOCK_SIZE}, full contexts (row j sees "
                f"L - next_n + 1 + j keys); copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + "
                f"write), fp8 GEMM {flops / 1e12:.0f} TFLOP/s, both measured in this run; "
-               "medians of a one-call CUDA graph replayed by do_bench with 256 MB written "
-               f"before each replay (L2 cold); dsa v{dsa.__version__}"),
+               f"{timing}; dsa v{dsa.__version__}"),
+        command=("python benchmarks/bench_logits_sweep.py"
+                 + (f" --l2 {l2}" if l2 != "written" else "") + shapes_flag(shapes)),
     )
     publish(text, out)
 
@@ -366,13 +399,17 @@ def main() -> None:
     parser = bench_parser()
     parser.add_argument("--sweep", action="store_true", help="sweep the launch parameters")
     parser.add_argument("--top", type=int, default=5, help="fastest configs shown per shape")
+    parser.add_argument("--l2", choices=sorted(TIMERS), default="written",
+                        help="the table's L2 before each call: 256 MB written over (do_bench's "
+                        "flush) or read over (clean lines, as a model's other layers leave it)")
+    add_shapes_option(parser, TABLE_SHAPES, "BxL")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_logits_sweep needs a CUDA GPU")
     if args.sweep:
         run_sweep(args.top)
     else:
-        run_table(args.out)
+        run_table(args.out, args.l2, args.shapes)
 
 
 if __name__ == "__main__":
