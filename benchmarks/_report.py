@@ -20,19 +20,25 @@ def device_us(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> 
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def graph_us(fn: Callable[[], object], *, replays: int = 10) -> float:
-    """Median device time of one ``fn`` in µs, from a CUDA graph of ``replays`` calls: how a
-    captured decode step runs it, with no launch overhead."""
+def captured(fn: Callable[[], object], *, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` calls of ``fn`` (after one warm-up call, which compiles and
+    allocates)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # warm-up: compiles, allocates
+        fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(replays):
+        for _ in range(calls):
             fn()
-    return device_us(graph.replay) / replays
+    return graph
+
+
+def graph_us(fn: Callable[[], object], *, replays: int = 10) -> float:
+    """Median device time of one ``fn`` in µs, from a CUDA graph of ``replays`` calls: how a
+    captured decode step runs it, with no launch overhead."""
+    return device_us(captured(fn, calls=replays).replay) / replays
 
 
 def profiled_calls(fn: Callable[[], object], *, reps: int = 20, flush: str | None = "write"

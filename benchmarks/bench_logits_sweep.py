@@ -13,8 +13,8 @@ next_n 3-4 too; "of floor" is against the larger of the two. Each time is the me
 one-call CUDA graph replayed by ``triton.testing.do_bench``, which writes 256 MB before
 every replay: L2 (50 MB) is cold where the working set fits in it and makes no difference
 above, but its dirty lines are written back during the call. With ``--l2 read`` each time is
-the median span of the call's kernels (torch.profiler) after 256 MB read over instead: L2
-cold with clean lines, as a model's other layers leave it, and no launch of its own (as
+the median span of a one-call graph's kernels (torch.profiler) after 256 MB read over: L2
+cold with clean lines, as a model's other layers leave it; the graph's launch not counted (as
 ``bench_step.py``'s "read over" column). Every launch is first checked against dsa's CPU
 face (plain torch). "pure read" (at B·L >= 1M) is a kernel that only reads the call's
 K-cache blocks (values and scales, through the block table) under the same timer: the share
@@ -50,6 +50,7 @@ from _report import (
     add_row,
     add_shapes_option,
     bench_parser,
+    captured,
     copy_bandwidth,
     graph_us,
     kernel_span_us,
@@ -197,9 +198,10 @@ def written_over_us(fn) -> float:
 
 
 def read_over_us(fn) -> float:
-    """Median µs from the first kernel's start to the last one's end of one ``fn`` with 256 MB
-    read over before it (clean L2 lines, as a model's other layers leave it)."""
-    return kernel_span_us(fn, flush="read")
+    """Median µs from the first kernel's start to the last one's end of one ``fn`` captured in
+    a CUDA graph (no host gaps between its kernels), with 256 MB read over before each replay
+    (clean L2 lines, as a model's other layers leave it)."""
+    return kernel_span_us(captured(fn).replay, flush="read")
 
 
 # --l2: how the table times a call, and the report's words for it.
@@ -207,8 +209,9 @@ TIMERS = {
     "written": (written_over_us, "medians of a one-call CUDA graph replayed by do_bench with "
                 "256 MB written before each replay (L2 cold, its dirty lines written back "
                 "during the call)"),
-    "read": (read_over_us, "medians of the span of a call's kernels (torch.profiler, no "
-             "launch of its own) with 256 MB read before each call (L2 cold, its lines clean)"),
+    "read": (read_over_us, "medians of the span of a one-call CUDA graph's kernels "
+             "(torch.profiler, the graph's launch not in it) with 256 MB read before each "
+             "replay (L2 cold, its lines clean)"),
 }
 
 
