@@ -98,9 +98,9 @@ SMALL_TOKENS = 1
 # wq_b (twice as many with fp8 wq_b).
 COLS = 32
 # Up to SMALL_TOKENS, (inner-dim elements per step, steps of a hidden-dim slice, of a
-# q_lora-dim slice, warps) with 16-bit weights and with fp8 ones (a step inside a block of
-# scales; fp8 wq_b: slices of one step).
-ONE_TOKEN_16BIT, ONE_TOKEN_FP8 = (256, 2, 1, 8), (WEIGHT_BLOCK, 4, 2, 4)
+# q_lora-dim slice, columns of wq_b per program, warps) with 16-bit weights and with fp8 ones
+# (a step inside a block of scales; fp8 wq_b: slices of one step, 2 * COLS columns).
+ONE_TOKEN_16BIT, ONE_TOKEN_FP8 = (256, 2, 1, 2 * COLS, 16), (WEIGHT_BLOCK, 4, 2, COLS, 4)
 # Above SMALL_TOKENS: inner-dim elements per step (64: a program of 64 tokens holds its
 # operands in registers without spilling), steps of a hidden-dim slice, columns of wq_b per
 # program, load stages; tokens, warps and q_lora-dim slice steps of a program by T
@@ -150,7 +150,10 @@ def partials_plan(tokens: int, fp8_q: bool = False, fp8_k: bool = False) -> Part
     One token, 16-bit weights: steps of 256 elements, slices of 512 (hidden) and 256
     (q_lora), 8 warps (a V3.2 layer's step at (1, 4K), µs, min / median of seven, two runs:
     29.31 / 29.38 and 29.86 / 30.02 against 29.79 / 29.89 and 30.14 / 30.18 for steps of
-    128 in 4 warps; BENCHMARKS.md, "twenty-fourth"). fp8 weights (``fp8_q``: ``wq_b``,
+    128 in 4 warps; BENCHMARKS.md, "twenty-fourth"), then 64 columns of ``wq_b`` a program
+    in 16 warps (the step's device µs, 256 MB written over, two rounds: H200 28.32 / 28.22
+    against 28.67 / 29.95, H100 32.54 / 32.64 against 33.12 / 33.06; "forty-seventh").
+    fp8 weights (``fp8_q``: ``wq_b``,
     ``fp8_k``: ``wk``) take steps of 128, inside a block of scales; fp8 ``wq_b`` as many
     bytes a step in twice the columns, and q_lora slices of one step (the op in a graph,
     flushed: 10.6 / 10.7 against 11.3 / 11.4 us in two runs; BENCHMARKS.md, "fourteenth").
@@ -163,9 +166,10 @@ def partials_plan(tokens: int, fp8_q: bool = False, fp8_k: bool = False) -> Part
     and ``weights_proj`` of their dtype): in the layer step at (128, 32K) 15.4 against
     16.3 us, at (64, 64K) 13.1 against 13.0 ("thirty-third")."""
     if tokens <= SMALL_TOKENS:
-        step, hidden_steps, q_steps, warps = ONE_TOKEN_FP8 if fp8_q or fp8_k else ONE_TOKEN_16BIT
+        step, hidden_steps, q_steps, q_cols, warps = (ONE_TOKEN_FP8 if fp8_q or fp8_k
+                                                      else ONE_TOKEN_16BIT)
         return PartialsPlan(triton.next_power_of_2(tokens), False, step, hidden_steps,
-                            1 if fp8_q else q_steps, 2 * COLS if fp8_q else COLS, warps)
+                            1 if fp8_q else q_steps, 2 * COLS if fp8_q else q_cols, warps)
     if tokens <= 64:
         return PartialsPlan(max(16, triton.next_power_of_2(tokens)), True, TILE_STEP,
                             TILE_HIDDEN_STEPS, 12, TILE_Q_COLS, 4, TILE_STAGES)
