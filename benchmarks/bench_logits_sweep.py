@@ -31,6 +31,7 @@ import functools
 import itertools
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import triton
@@ -191,13 +192,13 @@ def check_configs(configs: list[PagedLogitsConfig | None]) -> list[PagedLogitsCo
 # --- the next_n 1-4 table --------------------------------------------------------------------
 
 
-def written_over_us(fn) -> float:
+def written_over_us(fn: Callable[[], object]) -> float:
     """Median device time of one ``fn`` in µs with L2 written over before it: a one-call CUDA
     graph (no launch overhead), timed by do_bench, which clears its cache before each replay."""
     return graph_us(fn, replays=1)
 
 
-def read_over_us(fn) -> float:
+def read_over_us(fn: Callable[[], object]) -> float:
     """Median µs from the first kernel's start to the last one's end of one ``fn`` captured in
     a CUDA graph (no host gaps between its kernels), with 256 MB read over before each replay
     (clean L2 lines, as a model's other layers leave it)."""
@@ -205,7 +206,8 @@ def read_over_us(fn) -> float:
 
 
 # --l2: how the table times a call, and the report's words for it.
-TIMERS = {
+Timer = Callable[[Callable[[], object]], float]
+TIMERS: dict[str, tuple[Timer, str]] = {
     "written": (written_over_us, "medians of a one-call CUDA graph replayed by do_bench with "
                 "256 MB written before each replay (L2 cold, its dirty lines written back "
                 "during the call)"),
@@ -229,7 +231,7 @@ def fp8_flops_per_s(n: int = 8192) -> float:
     return 2 * n**3 / (us * 1e-6)
 
 
-def pure_read_us(batch: int, context: int, timer) -> float:
+def pure_read_us(batch: int, context: int, timer: Timer) -> float:
     """:func:`paged_read` of a (B, L) call's cache, timed as the table's kernels are; nan
     below B·L = GOAL_KEYS, where its programs of READ_BLOCKS blocks leave SMs idle (H200:
     13.7 µs at 1×4K against the logits' 6.6) and it bounds nothing."""
@@ -243,7 +245,7 @@ def pure_read_us(batch: int, context: int, timer) -> float:
 
 
 def table_row(batch: int, context: int, next_n: int, bandwidth: float, flops: float,
-              read_us: float, device: torch.device, timer) -> tuple[list, dict]:
+              read_us: float, device: torch.device, timer: Timer) -> tuple[list, dict]:
     inputs, _ = make_inputs(batch, next_n, context)
     k_bytes = kcache_bytes(batch, context)
     working_set = k_bytes + batch * next_n * context * 4
