@@ -114,12 +114,19 @@ def capture(cfg: dsa.IndexerConfig, layer: dsa.Indexer, live: dsa.Batch,
                       "q_latent": ((Q_LORA_RANK,), torch.bfloat16)},
     )
     runner.capture()
-    static = runner.static_batch(batch)
+    fill_bucket(runner, live, inputs)
+    return runner
+
+
+def fill_bucket(runner: DecodeGraphRunner, live: dsa.Batch,
+                inputs: dict[str, torch.Tensor]) -> None:
+    """Writes ``live`` and ``inputs`` into the static buffers of ``live``'s bucket (capturing
+    leaves a warm-up batch there)."""
+    static = runner.static_batch(live.num_reqs)
     for name in BATCH_FIELDS:
         getattr(static.batch, name).copy_(getattr(live, name))
     for name, value in inputs.items():
         static.inputs[name].copy_(value)
-    return runner
 
 
 def floor_us(layer: dsa.Indexer, batch: int, length: int, bandwidth: float) -> float:
