@@ -129,6 +129,23 @@ def fill_bucket(runner: DecodeGraphRunner, live: dsa.Batch,
         static.inputs[name].copy_(value)
 
 
+def token_inputs(batch: int) -> dict[str, torch.Tensor]:
+    """Random hidden states and q latents of ``batch`` tokens."""
+    return {"hidden": torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16),
+            "q_latent": torch.randn(batch, Q_LORA_RANK, device="cuda", dtype=torch.bfloat16)}
+
+
+def captured_layer(batch: int, length: int, fp8_weights: bool = False
+                   ) -> tuple[DecodeGraphRunner, dsa.Batch, dict[str, torch.Tensor]]:
+    """:func:`full_decode`'s layer (:func:`fp8_twin` with ``fp8_weights``) captured on random
+    token inputs: the runner, the live batch and the inputs in its bucket."""
+    cfg, layer, live = full_decode(batch, length)
+    if fp8_weights:
+        layer = fp8_twin(cfg, layer)
+    inputs = token_inputs(batch)
+    return capture(cfg, layer, live, inputs), live, inputs
+
+
 def floor_us(layer: dsa.Indexer, batch: int, length: int, bandwidth: float) -> float:
     """µs to move the bytes a step must read at ``bandwidth`` (the copy's bytes read +
     written per second, as ``bench_logits_sweep.py``'s floors): every request's K-cache
@@ -144,8 +161,7 @@ def bench_shape(batch: int, length: int, bandwidth: float) -> list[list[object]]
     floors = {layer: floor_us(layer, batch, length, bandwidth),
               twin: floor_us(twin, batch, length, bandwidth)}
     qsl_cpu = live.query_start_loc.cpu()
-    inputs = {"hidden": torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16),
-              "q_latent": torch.randn(batch, Q_LORA_RANK, device="cuda", dtype=torch.bfloat16)}
+    inputs = token_inputs(batch)
     runner = capture(cfg, layer, live, inputs)
     twin_runner = capture(cfg, twin, live, inputs)
 
@@ -182,7 +198,7 @@ def bench_shape(batch: int, length: int, bandwidth: float) -> list[list[object]]
         floor = floors[twin if path == FP8_IN_PLACE else layer]
         got = fn().clone()
         rows_equal = torch.equal(got[:short], want[:short])
-        result = (f"{100 * _overlap(got, want):.2f}% overlap" if fn is eager_step
+        result = (f"{100 * slot_overlap(got, want):.2f}% overlap" if fn is eager_step
                   else "equal" if rows_equal else "DIFFERENT")
         host, dev = host_us_per_call(fn), device_us(fn)
         kernels = (" / ".join(f"{kernel_span_us(fn, flush=flush):.1f}"
@@ -194,7 +210,7 @@ def bench_shape(batch: int, length: int, bandwidth: float) -> list[list[object]]
     return rows
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
+def slot_overlap(a: torch.Tensor, b: torch.Tensor) -> float:
     """Fraction of selected slots the two runs share (their bf16 projections round apart:
     inductor fuses them, eager does not, so near-ties may flip)."""
     shared = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1) & (a >= 0)

@@ -28,19 +28,14 @@ from _report import (
     report,
     shapes_flag,
 )
-from bench_step import HIDDEN, Q_LORA_RANK, SHAPES, capture, fp8_twin, full_decode
+from bench_step import SHAPES, captured_layer
 
 FLUSHES = {"read": "256 MB read over", "write": "256 MB written over", "none": "nothing (L2 warm)"}
 
 
 def timeline_rows(batch: int, length: int, fp8_weights: bool, flush: str | None
                   ) -> list[list[object]]:
-    cfg, layer, live = full_decode(batch, length)
-    if fp8_weights:
-        layer = fp8_twin(cfg, layer)
-    inputs = {"hidden": torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16),
-              "q_latent": torch.randn(batch, Q_LORA_RANK, device="cuda", dtype=torch.bfloat16)}
-    runner = capture(cfg, layer, live, inputs)
+    runner, _, _ = captured_layer(batch, length, fp8_weights)
     timeline = kernel_timeline(lambda: runner.replay_in_place(batch), flush=flush)
     *kernels, (_, _, span) = timeline
     return [*([batch, length, f"`{name[:60]}`", f"{start:.1f}", f"{duration:.1f}"]

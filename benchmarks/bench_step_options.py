@@ -45,15 +45,7 @@ from _report import (
     report,
     shapes_flag,
 )
-from bench_step import (
-    HIDDEN,
-    Q_LORA_RANK,
-    SHAPES,
-    capture,
-    fill_bucket,
-    fp8_twin,
-    full_decode,
-)
+from bench_step import HIDDEN, Q_LORA_RANK, SHAPES, captured_layer, fill_bucket, slot_overlap
 
 DEFAULTS = "defaults"
 
@@ -111,19 +103,11 @@ def _measure(runner: DecodeGraphRunner, live: dsa.Batch, inputs: dict[str, torch
 
 
 def _agreement(got: torch.Tensor, want: torch.Tensor) -> str:
-    if torch.equal(got, want):
-        return "equal"
-    shared = (got.unsqueeze(-1) == want.unsqueeze(-2)).any(-1) & (got >= 0)
-    return f"{100 * float(shared.sum() / (want >= 0).sum().clamp(min=1)):.2f}% shared"
+    return "equal" if torch.equal(got, want) else f"{100 * slot_overlap(got, want):.2f}% shared"
 
 
 def bench_shape(batch: int, length: int, fp8_weights: bool, rounds: int) -> list[list[object]]:
-    cfg, layer, live = full_decode(batch, length)
-    if fp8_weights:
-        layer = fp8_twin(cfg, layer)
-    inputs = {"hidden": torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16),
-              "q_latent": torch.randn(batch, Q_LORA_RANK, device="cuda", dtype=torch.bfloat16)}
-    runner = capture(cfg, layer, live, inputs)
+    runner, live, inputs = captured_layer(batch, length, fp8_weights)
     options = {name: off for name, (off, fp8_only) in OPTIONS.items()
                if fp8_weights or not fp8_only}
     times: dict[str, list[tuple[float, float, float]]] = {DEFAULTS: []}
