@@ -311,22 +311,6 @@ def test_triton_paged_logits_tma_and_direct_stores_bitwise(next_n):
             assert torch.equal(got, want), config
 
 
-@pytest.mark.parametrize("next_n", [2, 3, 4])
-def test_triton_paged_logits_k_registers_bitwise(next_n):
-    """Split rows with the K tile held in registers for the rows' MMAs: the same bits as
-    with each MMA reading it from shared memory, the default tile and a tile across blocks,
-    ragged lengths and a block outside the cache included."""
-    case = Decode(12, 5, next_n, 5000)
-    case.table[2, 3] = case.cache.shape[0] + 1
-    for base in (dataclasses.replace(paged_logits_config(5, next_n, case.max_len),
-                                     split_rows=True),
-                 PagedLogitsConfig(tile=128, tiles_per_program=3, split_rows=True)):
-        want = paged_logits_triton(*case.inputs, case.max_len, config=base)
-        got = paged_logits_triton(*case.inputs, case.max_len,
-                                  config=dataclasses.replace(base, k_registers=True))
-        assert torch.equal(got, want), base
-
-
 def test_cpu_face_matches_triton():
     """dsa's op on CPU copies (plain torch) equals its Triton face on the GPU."""
     case = Decode(5, 4, 4, 5000)

@@ -83,10 +83,6 @@ class PagedLogitsConfig:
     on a table read issued in the loop. Taken where each tile lies within one block and a
     program takes at most ``PRELOAD_MAX_TILES`` tiles (a tile's id is then picked from
     registers cheaply), else ignored."""
-    k_registers: bool = False
-    """With split rows, hold a K tile in registers for the rows' MMAs (NVIDIA GPUs, inline
-    PTX; else ignored): each row's MMA then reads only its q from shared memory, the tile
-    itself read from there once, not once a row. The same bits. Not measured yet, so off."""
     early_tiles: int = 0
     """Start while the kernel before it runs (programmatic dependent launch) and prefetch
     into L2 the K values and key scales of a program's first ``early_tiles`` tiles before
@@ -283,16 +279,6 @@ def _row_logits(k, k_scale, q_t, w):
 
 
 @triton.jit
-def _in_registers(x):
-    """fp8 ``x`` through an opaque register copy (inline PTX, which ptxas drops): the MMAs
-    taking it read it from registers, loaded from shared memory once, instead of each
-    reading it from shared memory."""
-    codes = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x.to(tl.int8, bitcast=True)],
-                                      dtype=tl.int8, is_pure=True, pack=4)
-    return codes.to(x.dtype, bitcast=True)
-
-
-@triton.jit
 def _prefetch_tiles(value_ptr, scale_ptr, bt_row, t_begin, t_end, width, num_blocks, cols,
                     TILES: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                     VALUE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr):
@@ -342,7 +328,7 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
                          SCALES_AHEAD: tl.constexpr, TMA: tl.constexpr,
                          DIRECT_STORE: tl.constexpr, PRELOAD: tl.constexpr,
                          SPAN: tl.constexpr, EVICTION: tl.constexpr, PDL: tl.constexpr,
-                         EARLY_TILES: tl.constexpr, K_REGISTERS: tl.constexpr):
+                         EARLY_TILES: tl.constexpr):
     split = tl.program_id(0)
     b = tl.program_id(1)
     if EARLY_TILES:  # launched with PDL, no chain (PDL 0): the wait after the prefetch
@@ -431,8 +417,6 @@ def _paged_logits_kernel(q_ptr, value_ptr, k_desc, scale_ptr, w_ptr, w_stride0, 
         if SPLIT_ROWS:
             # The rows' logits joined into one [TILE, NP] tile (rows past N -inf, not
             # stored): one layout conversion for the store instead of one per row.
-            if K_REGISTERS:
-                k = _in_registers(k)
             l0 = _row_logits(k, k_scale, q0, w0)
             l1 = _row_logits(k, k_scale, q1, w1) if N > 1 else l0
             if NP == 2:
@@ -502,7 +486,6 @@ def _paged_logits_launch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
         PRELOAD=preload, SPAN=triton.next_power_of_2(config.tiles_per_program) if preload else 1,
         EVICTION="evict_last" if config.keep_in_l2 else "",
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl, EARLY_TILES=early,
-        K_REGISTERS=config.k_registers and config.split_rows and on_nvidia_gpu(q_fp8),
         **pdl_launch(pdl > 0 or early > 0),
     )
     return out
