@@ -3,7 +3,7 @@
 defaults.
 
     python benchmarks/bench_step_options.py [--shapes 1x4096,...] [--fp8-weights] [--rounds 2]
-                                            [--out BENCHMARKS.md]
+                                            [--only DISCARD_Q_PARTIALS,...] [--out BENCHMARKS.md]
 
 The options are module settings read when a kernel is launched, so each variant is the
 step's CUDA graph captured again (then the batch written back into its bucket) and replayed
@@ -106,10 +106,12 @@ def _agreement(got: torch.Tensor, want: torch.Tensor) -> str:
     return "equal" if torch.equal(got, want) else f"{100 * slot_overlap(got, want):.2f}% shared"
 
 
-def bench_shape(batch: int, length: int, fp8_weights: bool, rounds: int) -> list[list[object]]:
+def bench_shape(batch: int, length: int, fp8_weights: bool, rounds: int,
+                only: list[str] | None = None) -> list[list[object]]:
     runner, live, inputs = captured_layer(batch, length, fp8_weights)
     options = {name: off for name, (off, fp8_only) in OPTIONS.items()
-               if fp8_weights or not fp8_only}
+               if (fp8_weights or not fp8_only)
+               and (only is None or any(key in name for key in only))}
     times: dict[str, list[tuple[float, float, float]]] = {DEFAULTS: []}
     times.update({name: [] for name in options})
     agreement: dict[str, str] = {DEFAULTS: "-"}
@@ -139,13 +141,16 @@ def main() -> None:
     parser.add_argument("--fp8-weights", action="store_true",
                         help="the layer with fp8 wq_b / wk (as DeepSeek ships them)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every variant")
+    parser.add_argument("--only", type=lambda text: text.split(","), default=None,
+                        help="comma-separated parts of option names (e.g. DSA_PDL): "
+                             "only the options whose names contain one")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_step_options needs a CUDA GPU")
     torch.manual_seed(0)
     rows = []
     for shape in args.shapes or SHAPES:
-        for row in bench_shape(*shape, args.fp8_weights, args.rounds):
+        for row in bench_shape(*shape, args.fp8_weights, args.rounds, args.only):
             add_row(rows, row)
         torch.cuda.empty_cache()
     header = ["B", "L", "variant", "device µs", "kernels µs, L2 written over",
@@ -160,7 +165,8 @@ def main() -> None:
                "rounds (one figure a round); worth: the variant's mean minus the defaults'"),
         command=("python benchmarks/bench_step_options.py" + shapes_flag(args.shapes)
                  + (" --fp8-weights" if args.fp8_weights else "")
-                 + (f" --rounds {args.rounds}" if args.rounds != 2 else "")),
+                 + (f" --rounds {args.rounds}" if args.rounds != 2 else "")
+                 + (f" --only {','.join(args.only)}" if args.only else "")),
     )
     publish(text, args.out)
 
