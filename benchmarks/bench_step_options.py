@@ -77,8 +77,8 @@ OPTIONS: dict[str, tuple[Callable[[], contextlib.AbstractContextManager], bool]]
     "top-k's unmasked candidates (`Tuning.unmasked_rows`)":
         (lambda: _setting(topk, "TUNING", dataclasses.replace(topk.TUNING, unmasked_rows=None)),
          False),
-    "q partial sums dropped from L2 (`project.DISCARD_Q_PARTIALS`)":
-        (lambda: _setting(project, "DISCARD_Q_PARTIALS", False), False),
+    "q partial sums dropped from L2 (`project.DISCARD_Q_PARTIALS_FROM`)":
+        (lambda: _setting(project, "DISCARD_Q_PARTIALS_FROM", project.KERNEL_TOKENS + 1), False),
     "fp8 weight tiles by TMA (`project.FP8_WEIGHTS_BY_TMA`)":
         (lambda: _setting(project, "FP8_WEIGHTS_BY_TMA", False), True),
     "programmatic dependent launch (`DSA_PDL`)":

@@ -299,15 +299,15 @@ def test_project_gpu(tokens, ue8m0):
                          [(1, 64, 128), (3, 64, 128), (64, 64, 128), (100, 64, 128),
                           (1, 1, 16), (5, 3, 32)])
 def test_project_gpu_discarded_q_partials(tokens, heads, head_dim, monkeypatch):
-    """The prologue's q partials dropped from L2 once read (``DISCARD_Q_PARTIALS``): q, the
+    """The prologue's q partials dropped from L2 once read (``DISCARD_Q_PARTIALS_FROM``): q, the
     head weights and the cache bit for bit as without, read back right after the launch
     (a line of theirs dropped unwritten would read stale); programs of one short row (less
     than a line of partials) too."""
     args = project_case(tokens, tokens, 7168, 1536, heads, head_dim, rope_dim=head_dim // 2,
                         block_size=64)
-    monkeypatch.setattr(project, "DISCARD_Q_PARTIALS", False)
+    monkeypatch.setattr(project, "DISCARD_Q_PARTIALS_FROM", tokens + 1)
     want = run_project("kernel", args)
-    monkeypatch.setattr(project, "DISCARD_Q_PARTIALS", True)
+    monkeypatch.setattr(project, "DISCARD_Q_PARTIALS_FROM", tokens)
     got = run_project("kernel", args)
     assert_same_outputs(got, want)
 

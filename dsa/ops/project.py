@@ -113,11 +113,13 @@ _BLOCK = tl.constexpr(WEIGHT_BLOCK)
 # (b96013f, the kernel after a 256 MB flush): 3.4 / 4.6 / 7.0 us at 16 / 64 / 128 tokens
 # against 4.6 / 6.0 / 8.8 with row_tile's 8-16 rows in 2-4 warps.
 PROLOGUE_ROWS = 2
-# Whether a prologue program drops its q partial sums' lines from L2 once it has read them
-# (on NVIDIA GPUs): dead after it, left dirty they are written back under the paged logits'
-# K reads (4 MB at 64 tokens). H100, bench_step's layer, device µs (two rounds): 253.1 / 253.6
-# -> 252.2 / 252.2 at 64x64K, 254.9 / 255.6 -> 253.9 / 254.3 at 128x32K.
-DISCARD_Q_PARTIALS = True
+# The fewest tokens at which a prologue program drops its q partial sums' lines from L2 once
+# it has read them (on NVIDIA GPUs): dead after it, left dirty they are written back under the
+# paged logits' K reads (4 MB at 64 tokens); below, the drop's barrier and instructions cost
+# more than the write-back. H100, bench_step's layer, device µs without the drop minus with it
+# (bench_step_options.py --only DISCARD_Q_PARTIALS, three rounds): +0.9 / +1.1 (bf16 / fp8
+# weights) at 32 tokens, +0.9-1.3 at 64-128; -0.8 to +0.4 at 2-16; -0.2 / -1.8 at 1.
+DISCARD_Q_PARTIALS_FROM = 32
 # Whether fp8 block-scaled weights' tiles go by TMA too (their codes scaled in registers as
 # the pointer path scales them, so the same sums bit for bit). H100, bench_step's fp8 layer,
 # device / kernels read over µs, two rounds: 64x64K 251.2 / 242.3, 250.1 / 242.8 -> 248.4 /
@@ -719,7 +721,8 @@ def project_triton(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor,
            dtype=_TL_DTYPES[hidden.dtype], H=n.heads, D=n.head_dim, BLOCK_D=block_d,
            BLOCK_R=block_r, H_SLICES=h_slices, Q_SLICES=q_slices,
            VALUE_STRIDE=values.stride(0), SCALE_STRIDE=scales.stride(0), BS=block_size,
-           UE8M0=ue8m0, DISCARD=DISCARD_Q_PARTIALS and on_nvidia_gpu(hidden),
+           UE8M0=ue8m0,
+           DISCARD=n.tokens >= DISCARD_Q_PARTIALS_FROM and on_nvidia_gpu(hidden),
            num_warps=tile_warps(block_r, block_d),
            # Unchained (launched without PDL, its wait a no-op), it still lets a dependent
            # start: the paged logits' early start (PagedLogitsConfig.early_tiles).
