@@ -118,7 +118,8 @@ PROLOGUE_ROWS = 2
 # paged logits' K reads (4 MB at 64 tokens); below, the drop's barrier and instructions cost
 # more than the write-back. H100, bench_step's layer, device µs without the drop minus with it
 # (bench_step_options.py --only DISCARD_Q_PARTIALS, three rounds): +0.9 / +1.1 (bf16 / fp8
-# weights) at 32 tokens, +0.9-1.3 at 64-128; -0.8 to +0.4 at 2-16; -0.2 / -1.8 at 1.
+# weights) at 32 tokens (a later fp8 run: -0.1), +0.9-1.3 at 64-128; -0.8 to +0.4 at 2-16;
+# -0.2 / -1.8 at 1.
 DISCARD_Q_PARTIALS_FROM = 32
 # Whether fp8 block-scaled weights' tiles go by TMA too (their codes scaled in registers as
 # the pointer path scales them, so the same sums bit for bit). H100, bench_step's fp8 layer,
