@@ -156,10 +156,10 @@ def partials_plan(tokens: int, fp8_q: bool = False, fp8_k: bool = False) -> Part
     128 in 4 warps; BENCHMARKS.md, "twenty-fourth"), then 64 columns of ``wq_b`` a program
     in 16 warps (the step's device µs, 256 MB written over, two rounds: H200 28.32 / 28.22
     against 28.67 / 29.95, H100 32.54 / 32.64 against 33.12 / 33.06; "forty-seventh").
-    fp8 weights (``fp8_q``: ``wq_b``,
-    ``fp8_k``: ``wk``) take steps of 128, inside a block of scales; fp8 ``wq_b`` as many
-    bytes a step in twice the columns, and q_lora slices of one step (the op in a graph,
-    flushed: 10.6 / 10.7 against 11.3 / 11.4 us in two runs; BENCHMARKS.md, "fourteenth").
+    fp8 weights (``fp8_q``: ``wq_b``, ``fp8_k``: ``wk``) take steps of 128, inside a block
+    of scales; fp8 ``wq_b`` as many bytes a step in twice the columns, and q_lora slices of
+    one step (the op in a graph, flushed: 10.6 / 10.7 against 11.3 / 11.4 us in two runs;
+    BENCHMARKS.md, "fourteenth").
     Plans that win on their own (T = 128: q_lora slices of 12 steps, 128 columns, 4 load
     stages, 14.1 against 16.9 us) did not in the layer step (17.9 against 17.3;
     "twenty-eighth"). Matrix products take 4 stages, their q tiles by TMA where the operands
