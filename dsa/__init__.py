@@ -8,7 +8,7 @@ layer's top-k), ``dsa.graphs`` for CUDA-graph capture of decode steps, and
 ``dsa.distributed`` for the exact top-k across DCP ranks.
 """
 
-from dsa import distributed, ops
+from dsa import distributed, graphs, ops
 from dsa.config import IndexerConfig
 from dsa.index_share import IndexShare
 from dsa.indexer import Indexer, IndexerOutput
@@ -38,6 +38,7 @@ __all__ = [
     "build_decode_metadata",
     "build_prefill_metadata",
     "distributed",
+    "graphs",
     "ops",
     "split_prefill_chunks",
 ]

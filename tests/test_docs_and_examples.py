@@ -47,3 +47,18 @@ def test_dcp_example_runs_on_two_cpu_processes():
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("selects 64 keys") == 2, result.stdout
+
+
+def test_readme_names_resolve_after_import_dsa():
+    """Every ``dsa.<name>`` README mentions is an attribute chain reachable from a bare
+    ``import dsa`` (a fresh process: other tests' imports of subpackages do not count)."""
+    names = sorted(set(re.findall(r"(?<![\w.:])dsa\.[A-Za-z_][\w.]*[\w]",
+                                  (ROOT / "README.md").read_text())))
+    check = ("import functools, sys, dsa\n"
+             "missing = [n for n in sys.argv[1:] if functools.reduce(\n"
+             "    lambda obj, part: getattr(obj, part, None), n.split('.')[1:], dsa) is None]\n"
+             "print(missing)\n")
+    result = subprocess.run([sys.executable, "-c", check, *names], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
