@@ -17,7 +17,8 @@ from dsa.graphs import (
     pad_batch,
     static_batch,
 )
-from dsa.meta.batch import Batch
+from dsa.graphs.runner import _fill_warmup_batch
+from dsa.meta.batch import Batch, indexer_writes
 from tests.batches import random_decode_batch, table_width
 
 
@@ -194,6 +195,22 @@ def test_static_batch_pad_checks_its_sizes():
     with pytest.raises(TypeError, match="`num_reqs` must be an int, got float"):
         static.pad(2.5, live.num_tokens)
     static.pad(live.num_reqs, live.num_tokens)
+
+
+@pytest.mark.parametrize("ratio, next_n", [(1, 2), (2, 2), (4, 4), (4, 1)])
+def test_warmup_batch_writes_no_k(ratio, next_n):
+    """The runner's warm-up batch gives every token slot -1, block-derived slots too
+    (compressed states, the kpool tail), so capture never overwrites an engine's K."""
+    cfg = dsa.IndexerConfig(max_num_reqs=4, max_num_batched_tokens=16, max_model_len=1024,
+                            next_n=next_n, topk=64, num_blocks=64, compress_ratio=ratio,
+                            kpool=8)
+    static = StaticBatch(4, 4 * next_n, table_width(cfg))
+    _fill_warmup_batch(static, next_n)
+    batch = static.batch
+    _, slots = indexer_writes(cfg, batch)
+    kpool = torch.ops.dsa.kpool_tail_slot_mapping(batch.query_start_loc, batch.block_table,
+                                                  batch.positions, cfg.kpool)
+    assert (slots == -1).all() and (kpool == -1).all()
 
 
 def test_decode_graph_runner_needs_cuda_and_a_table_width():

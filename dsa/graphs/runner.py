@@ -190,14 +190,15 @@ def live_outputs(outputs: Any, capacity: int, live_tokens: int) -> Any:
 def _fill_warmup_batch(static: StaticBatch, next_n: int) -> None:
     """A full bucket of short requests, so warm-up launches every kernel on real work.
 
-    Slots stay -1: warm-up never writes the K cache.
+    Slots and block ids stay -1 (block-derived slots, as compressed caches take, are -1 too):
+    warm-up never writes the K cache.
     """
     batch = static.batch
     reqs = static.num_reqs
     arange = torch.arange(reqs + 1, dtype=torch.int32, device=batch.seq_lens.device)
     batch.query_start_loc.copy_(arange * next_n)
     batch.seq_lens.fill_(next_n)
-    batch.block_table.zero_()
+    batch.block_table.fill_(-1)
     positions = torch.arange(static.num_tokens, device=batch.positions.device) % next_n
     batch.positions.copy_(positions)
     batch.slot_mapping.fill_(-1)
