@@ -168,6 +168,12 @@ class IndexerConfig:
         return -(-states // self.block_size)
 
     @property
+    def block_table_width(self) -> int:
+        """Columns a batch's ``block_table`` needs at least (engine blocks of
+        ``kernel_block_size``): enough for ``max_model_len`` on this DCP rank."""
+        return self.table_factor * -(-self.max_blocks_per_req // self.dcp_world)
+
+    @property
     def prefill_workspace_rows(self) -> int:
         """Rows of the prefill K workspace (each D + 4 bytes)."""
         return self.workspace_rows or 40 * self.max_model_len

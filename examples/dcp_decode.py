@@ -51,7 +51,7 @@ def main() -> None:
                         dtype=torch.float32, dcp_group=dist.group.WORLD)
 
     # This rank's share of each request's cache: the keys it owns, in its own blocks.
-    width = -(-cfg.max_blocks_per_req // world)
+    width = cfg.block_table_width
     table = torch.arange(num_reqs * width, dtype=torch.int32, device=device).view(num_reqs, -1)
 
     def local_slot(r: int, pos: int) -> int:

@@ -135,7 +135,7 @@ def main() -> None:
         num_blocks=len(prompt_lens) * max_model_len // 64,  # the engine's blocks, 64 tokens each
     )
     # The decode step's inputs, owned by the engine: one bucket of capture_size requests.
-    static = StaticBatch(capture_size, capture_size * args.next_n, cfg.max_blocks_per_req,
+    static = StaticBatch(capture_size, capture_size * args.next_n, cfg.block_table_width,
                          token_inputs={"hidden": ((sizes.hidden,), dtype)}, device=args.device)
     engine = ToyEngine(prompt_lens, cfg, static, args.device)
     steps = args.steps or (16 if on_gpu else 3)

@@ -21,7 +21,7 @@ STEP_CONFIGS = {
 
 def table_width(cfg: IndexerConfig) -> int:
     """Block-table columns the engine passes for ``cfg`` (kernel-block granularity)."""
-    return cfg.table_factor * -(-cfg.max_blocks_per_req // cfg.dcp_world)
+    return cfg.block_table_width
 
 
 def random_decode_batch(

@@ -173,7 +173,8 @@ def test_decode_metadata_takes_a_one_column_table_of_any_stride():
     [
         ({"seq_lens": torch.zeros(2, dtype=torch.int64)}, "`seq_lens` must be torch.int32"),
         ({"block_table": torch.zeros(2, 3, dtype=torch.int32)},
-         r"`block_table` must have at least 4 columns to cover max_model_len=256"),
+         r"`block_table` must have at least IndexerConfig\.block_table_width = 4 columns to cover "
+         r"max_model_len=256"),
         ({"block_table": torch.zeros(8, 2, dtype=torch.int32).t()},
          r"`block_table` rows must be contiguous"),
         ({"slot_mapping": torch.zeros(9, dtype=torch.int64)},

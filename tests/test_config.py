@@ -15,6 +15,7 @@ def test_defaults_are_deepseek_v32():
     assert cfg.max_blocks_per_req == 64
     assert cfg.prefill_workspace_rows == 40 * 4096
     assert cfg.table_factor == 1
+    assert cfg.block_table_width == 64
 
 
 @pytest.mark.parametrize(("next_n", "layout"), [(1, "native"), (2, "native"), (3, "native"),
@@ -38,6 +39,8 @@ def test_derived_sizes_with_compression_and_kernel_blocks():
     cfg = IndexerConfig(**LIMITS, compress_ratio=4, kernel_block_size=16)
     assert cfg.table_factor == 4
     assert cfg.max_blocks_per_req == 16  # 4096 tokens -> 1024 states -> 16 blocks of 64
+    assert cfg.block_table_width == 64  # of the engine's blocks of 16
+    assert IndexerConfig(**LIMITS, dcp_world=3).block_table_width == 22  # ceil(64 / 3)
 
 
 @pytest.mark.parametrize(

@@ -219,6 +219,19 @@ def test_decode_graph_runner_needs_cuda_and_a_table_width():
         DecodeGraphRunner(lambda b: b.seq_lens, cfg, table_width=4, device="cpu")
 
 
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"sizes": (2, 8)}, "bucket 8 takes more requests than IndexerConfig.max_num_reqs=4"),
+    ({"table_width": 3}, r"at least IndexerConfig.block_table_width = 4, got 3"),
+    ({"buffers": StaticBatch(4, 8, 2)}, r"at least IndexerConfig.block_table_width = 4, got 2"),
+])
+def test_decode_graph_runner_checks_its_settings_before_capture(kwargs, match):
+    """Settings no capture could take fail at construction (checked before the device)."""
+    cfg = dsa.IndexerConfig(max_num_reqs=4, max_num_batched_tokens=8, max_model_len=256)
+    with pytest.raises(ValueError, match=match):
+        DecodeGraphRunner(lambda b: b.seq_lens, cfg, **{"table_width": 4, **kwargs},
+                          device="cuda")
+
+
 def test_compiled_step_over_bucket_prefixes_matches_eager():
     """What ``DecodeGraphRunner`` captures: each bucket's step reads a prefix of one set of
     buffers, which ``load`` fills; no recompile within a bucket, equal to eager."""

@@ -408,7 +408,8 @@ def test_block_table_must_cover_the_kernel_blocks():
     batch = dsa.Batch(torch.tensor([0, 1], **I32), torch.tensor([100], **I32),
                       torch.zeros(1, 4, **I32), torch.tensor([-1]), torch.tensor([99]))
     for builder in (dsa.build_decode_metadata, dsa.build_prefill_metadata):
-        with pytest.raises(ValueError, match="`block_table` must have at least 16 columns"):
+        with pytest.raises(ValueError, match=r"`block_table` must have at least "
+                                             r"IndexerConfig\.block_table_width = 16 columns"):
             builder(cfg, batch)
 
 

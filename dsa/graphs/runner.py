@@ -72,12 +72,20 @@ class DecodeGraphRunner:
                              f"{self.device}; on the CPU, call the compiled step directly")
         self.cfg = cfg
         self.sizes = tuple(sorted(sizes or capture_sizes(cfg.max_num_reqs)))
+        if self.sizes[-1] > cfg.max_num_reqs:
+            raise ValueError(f"DecodeGraphRunner: bucket {self.sizes[-1]} takes more requests "
+                             f"than IndexerConfig.max_num_reqs={cfg.max_num_reqs}")
         too_many = [size for size in self.sizes if size * cfg.next_n > cfg.max_num_batched_tokens]
         if too_many:
             raise ValueError(f"DecodeGraphRunner: bucket {too_many[0]} takes {too_many[0]} * "
                              f"next_n = {too_many[0] * cfg.next_n} tokens, more than "
                              f"IndexerConfig.max_num_batched_tokens={cfg.max_num_batched_tokens}"
                              f" (raise it, or pass smaller sizes)")
+        width = table_width if buffers is None else buffers.batch.block_table.shape[1]
+        if width is not None and width < cfg.block_table_width:
+            raise ValueError(f"DecodeGraphRunner: the block table width (`table_width` or "
+                             f"`buffers`') must be at least IndexerConfig.block_table_width = "
+                             f"{cfg.block_table_width}, got {width}")
         if not torch.cuda.is_available():
             raise RuntimeError("DecodeGraphRunner: CUDA graphs need a CUDA device, and torch "
                                "finds none; on the CPU, call the compiled step directly")

@@ -64,12 +64,12 @@ def check_batch(op: str, cfg: IndexerConfig, batch: Batch) -> None:
                  like=qsl)
     check_size(op, "seq_lens", batch.seq_lens, 0, num_reqs, "len(query_start_loc) - 1")
     _, width = check_block_table(op, batch.block_table, qsl, num_reqs)
-    needed = cfg.table_factor * -(-cfg.max_blocks_per_req // cfg.dcp_world)
-    if width < needed:
+    if width < cfg.block_table_width:
         raise ValueError(
-            f"dsa.{op}: `block_table` must have at least {needed} columns to cover "
-            f"max_model_len={cfg.max_model_len} (block_size={cfg.block_size}, compress_ratio="
-            f"{cfg.compress_ratio}, dcp_world={cfg.dcp_world}), got width {width}"
+            f"dsa.{op}: `block_table` must have at least IndexerConfig.block_table_width = "
+            f"{cfg.block_table_width} columns to cover max_model_len={cfg.max_model_len} "
+            f"(block_size={cfg.block_size}, kernel_block_size={cfg.kernel_block_size}, "
+            f"compress_ratio={cfg.compress_ratio}, dcp_world={cfg.dcp_world}), got width {width}"
         )
     slots = check_tensor(op, "slot_mapping", batch.slot_mapping, dtype=torch.int64, ndim=1,
                          contiguous=True, like=qsl)
