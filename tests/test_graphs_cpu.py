@@ -165,9 +165,14 @@ def test_static_batch_prefix_shares_the_buffers():
         static.prefix(5, 4)
 
 
-def test_static_batch_pad_in_place_equals_load():
-    """An engine writes its live rows in place and pads; the batch equals ``load``'s."""
+@pytest.mark.parametrize("trailing", [0, 2])
+def test_static_batch_pad_in_place_equals_load(trailing):
+    """An engine writes its live rows in place (``trailing`` padding tokens after the last
+    request's, as a batch may carry) and pads; the batch equals ``load``'s."""
     live = live_batch()
+    live = dataclasses.replace(
+        live, slot_mapping=torch.cat([live.slot_mapping, torch.full((trailing,), 99)]),
+        positions=torch.cat([live.positions, torch.full((trailing,), 3)]))
     loaded = StaticBatch(5, 8, 3)
     loaded.load(live)
     in_place = StaticBatch(5, 8, 3)
@@ -184,13 +189,14 @@ def test_static_batch_pad_in_place_equals_load():
 
 
 def test_static_batch_pad_checks_its_sizes():
-    """pad's num_tokens must be the live requests' tokens (a smaller one left real tokens
+    """pad's num_tokens must cover the live requests' tokens (a smaller one left real tokens
     with slot -1 and position 0, still valid); sizes are ints."""
     static = StaticBatch(5, 8, 3)
     static.load(live_batch())
     live = live_batch()
-    with pytest.raises(ValueError, match=rf"num_tokens must be query_start_loc\[num_reqs="
-                                         rf"{live.num_reqs}\] = {live.num_tokens}, .* got 1"):
+    with pytest.raises(ValueError, match=rf"num_tokens must be at least query_start_loc\["
+                                         rf"num_reqs={live.num_reqs}\] = {live.num_tokens}, "
+                                         rf".* got 1"):
         static.pad(live.num_reqs, 1)
     with pytest.raises(TypeError, match="`num_reqs` must be an int, got float"):
         static.pad(2.5, live.num_tokens)

@@ -111,6 +111,23 @@ def test_pad_batch_in_place(face):
 
 
 @KERNEL_MARK
+def test_launch_pad_batch_in_place_keeps_trailing_padding_tokens_as_the_cpu_face():
+    """Live tokens past the last request's (padding by ``query_start_loc``) in place: the
+    launch ``StaticBatch.pad`` uses on CUDA and the CPU face agree."""
+    out = buffers(5, 8, 2)
+    for buffer, value in zip(out, live_example()):
+        buffer[: value.shape[0]] = value
+    out[3][5:7], out[4][5:7] = torch.tensor([99, 98]), torch.tensor([3, 4])
+    expected = tuple(t.clone() for t in out)
+    torch.ops.dsa.pad_batch_out(expected[0][:4], expected[1][:3], expected[2][:3],
+                                expected[3][:7], expected[4][:7], *expected)
+    device = "cuda" if HAS_CUDA else "cpu"
+    out = tuple(t.to(device) for t in out)
+    launch_pad_batch(out * 2, 3, 7, 2)
+    assert [t.tolist() for t in out] == [t.tolist() for t in expected]
+
+
+@KERNEL_MARK
 def test_launch_pad_batch_in_place_takes_the_live_sizes():
     """The raw launch ``StaticBatch.pad`` uses on CUDA: the buffers are both halves."""
     out = buffers(5, 8, 2)

@@ -75,9 +75,10 @@ class StaticBatch:
 
     def pad(self, num_reqs: int, num_tokens: int) -> None:
         """Pads in place, after an engine wrote the first ``num_reqs`` requests (offsets
-        ``query_start_loc[: num_reqs + 1]``) and ``num_tokens`` tokens of ``batch``: the rest
-        becomes padding as ``load`` makes it, in one launch. Rows of ``inputs`` past
-        ``num_tokens`` stay as they are: padding tokens' outputs never depend on them."""
+        ``query_start_loc[: num_reqs + 1]``) and ``num_tokens`` tokens of ``batch`` (at least
+        ``query_start_loc[num_reqs]``; those past it are padding): the rest becomes padding as
+        ``load`` makes it, in one launch. Rows of ``inputs`` past ``num_tokens`` stay as they
+        are: padding tokens' outputs never depend on them."""
         self._check_room("pad", num_reqs, num_tokens)
         b = self.batch
         if b.seq_lens.is_cuda:  # no views to build: the launch takes the live sizes
@@ -87,10 +88,10 @@ class StaticBatch:
             launch(*buffers, *buffers)
         else:  # host buffers: the live total is readable for free
             total = int(b.query_start_loc[num_reqs])
-            if total != num_tokens:
-                raise ValueError(f"StaticBatch.pad: num_tokens must be query_start_loc[num_reqs="
-                                 f"{num_reqs}] = {total}, the live requests' tokens, got "
-                                 f"{num_tokens}")
+            if num_tokens < total:
+                raise ValueError(f"StaticBatch.pad: num_tokens must be at least query_start_loc["
+                                 f"num_reqs={num_reqs}] = {total}, the live requests' tokens, "
+                                 f"got {num_tokens}")
             _PAD_FACES.cpu(*_fields(self.prefix(num_reqs, num_tokens).batch), *_fields(b))
 
     def _check_room(self, method: str, num_reqs: int, num_tokens: int) -> None:
