@@ -278,8 +278,9 @@ def test_metadata_resolves_the_logits_backend(build):
         assert builder(cfg, batch).logits_backend == "triton"
     cfg = dsa.IndexerConfig(max_num_reqs=1, max_num_batched_tokens=1, max_model_len=64,
                             logits_backend="deepgemm")
-    with pytest.raises(ValueError, match="backend='deepgemm' cannot run this call: it needs "
-                                         "CUDA tensors"):
+    with pytest.raises(ValueError, match=rf"dsa.build_{build}_metadata: IndexerConfig."
+                                         rf"logits_backend='deepgemm' cannot run this call: it "
+                                         rf"needs CUDA tensors"):
         builder(cfg, batch)
 
 
@@ -326,9 +327,9 @@ def test_decode_metadata_auto_backend_by_bucket(monkeypatch):
     seen = []
     real = paged.paged_backend
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         seen.append(args[5:])
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(dsa.meta.decode, "paged_backend", spy)
     for reqs, max_model_len, dcp in ((8, 32768, 1), (64, 32768, 1), (64, 32768, 4)):

@@ -110,7 +110,8 @@ def build_decode_metadata(cfg: IndexerConfig, batch: Batch) -> DecodeMetadata:
     rows = qsl.shape[0] - 1 if native else batch.positions.shape[0]
     width = max_context_len(cfg)
     backend = paged_backend(cfg.logits_backend, qsl.device, cfg.num_heads, cfg.head_dim,
-                            cfg.block_size, next_n, rows, width)
+                            cfg.block_size, next_n, rows, width, op="build_decode_metadata",
+                            arg="IndexerConfig.logits_backend")
     request_table, slots = indexer_writes(cfg, batch)
     # One launch: lengths (compressed, DCP-local, capped so that no length reaches past its
     # logits row, its block table or onto a block outside the cache: DeepGEMM trusts its

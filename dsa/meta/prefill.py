@@ -184,7 +184,8 @@ def build_prefill_metadata(
         token_requests=token_requests,
         valid_tokens=valid,
         logits_backend=ragged_backend(cfg.logits_backend, batch.seq_lens.device, cfg.num_heads,
-                                      cfg.head_dim),
+                                      cfg.head_dim, op="build_prefill_metadata",
+                                      arg="IndexerConfig.logits_backend"),
         built_for=cfg.metadata_key(),
     )
 

@@ -47,18 +47,20 @@ def fp8_rows(value_bytes: Tensor) -> Tensor:
     return value_bytes.view(torch.float8_e4m3fn).float()
 
 
-def choose_backend(op: str, backend: str, deepgemm_reason: Callable[[], str | None]) -> str:
+def choose_backend(op: str, arg: str, backend: str,
+                   deepgemm_reason: Callable[[], str | None]) -> str:
     """The implementation a logits call runs: "deepgemm" or "triton" (dsa's own kernel:
     Triton on CUDA, plain torch on the CPU).
 
-    ``backend`` is one of ``LOGITS_BACKENDS``; ``deepgemm_reason()`` says why DeepGEMM cannot
-    take the call (None: it can), asked only when ``backend`` is not "triton". "auto" takes
-    DeepGEMM where it can run; an explicit "deepgemm" that cannot run raises with the reason.
+    ``backend`` (the caller ``op``'s argument ``arg``) is one of ``LOGITS_BACKENDS``;
+    ``deepgemm_reason()`` says why DeepGEMM cannot take the call (None: it can), asked only
+    when ``backend`` is not "triton". "auto" takes DeepGEMM where it can run; an explicit
+    "deepgemm" that cannot run raises with the reason.
     """
-    check_choice(op, "backend", backend, LOGITS_BACKENDS)
+    check_choice(op, arg, backend, LOGITS_BACKENDS)
     if backend == "triton":
         return backend
     reason = deepgemm_reason()
     if backend == "deepgemm" and reason is not None:
-        raise ValueError(f"dsa.{op}: backend='deepgemm' cannot run this call: {reason}")
+        raise ValueError(f"dsa.{op}: {arg}='deepgemm' cannot run this call: {reason}")
     return "deepgemm" if reason is None else "triton"

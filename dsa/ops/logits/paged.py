@@ -611,16 +611,18 @@ def auto_triton_max_keys(device: torch.device) -> dict[int, float]:
 
 def paged_backend(backend: str, device: torch.device, num_heads: int, head_dim: int,
                   block_size: int, next_n: int, batch: int | None = None,
-                  max_context_len: int | None = None) -> str:
+                  max_context_len: int | None = None, *, op: str = "paged_mqa_logits",
+                  arg: str = "backend") -> str:
     """"deepgemm" or "triton": the implementation ``backend`` ("auto", "triton" or
     "deepgemm") runs for this shape on ``device``. ``batch`` (logits rows of ``next_n``
     queries, q_fp8.shape[0]) and ``max_context_len`` (the row width) size the call for
     :func:`auto_triton_max_keys`; without them "auto" takes DeepGEMM wherever it runs. Pure
-    host logic on static sizes: a captured step decides once per bucket."""
+    host logic on static sizes: a captured step decides once per bucket. ``op`` and ``arg``
+    name the caller and its argument in errors."""
     if (backend == "auto" and batch is not None and max_context_len is not None
             and batch * max_context_len <= auto_triton_max_keys(device).get(next_n, -1)):
         return "triton"
-    return choose_backend("paged_mqa_logits", backend, lambda: deepgemm.paged_unsupported_reason(
+    return choose_backend(op, arg, backend, lambda: deepgemm.paged_unsupported_reason(
         device, num_heads, head_dim, block_size, next_n))
 
 

@@ -259,9 +259,11 @@ def _mqa_deepgemm_cuda(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: T
 # --- choosing ------------------------------------------------------------------------------
 
 
-def ragged_backend(backend: str, device: torch.device, num_heads: int, head_dim: int) -> str:
-    """"deepgemm" or "triton": the implementation ``backend`` runs for this shape."""
-    return choose_backend("mqa_logits", backend,
+def ragged_backend(backend: str, device: torch.device, num_heads: int, head_dim: int, *,
+                   op: str = "mqa_logits", arg: str = "backend") -> str:
+    """"deepgemm" or "triton": the implementation ``backend`` runs for this shape (``op``
+    and ``arg`` name the caller and its argument in errors)."""
+    return choose_backend(op, arg, backend,
                           lambda: deepgemm.mqa_unsupported_reason(device, num_heads, head_dim))
 
 
