@@ -162,7 +162,7 @@ def test_build_decode_metadata_is_one_op(monkeypatch, backend, kwargs, extra):
     with that backend) and no Inductor kernel around it; compressed caches add their slot
     ops, kpool its tail slots. DeepGEMM cannot run here: its choice is patched in."""
     if backend == "deepgemm":
-        monkeypatch.setattr(dsa.meta.decode, "paged_backend", lambda *_: "deepgemm")
+        monkeypatch.setattr(dsa.meta.decode, "paged_backend", lambda *_, **__: "deepgemm")
     cfg = dsa.IndexerConfig(max_num_reqs=2, max_num_batched_tokens=4, max_model_len=256,
                             num_blocks=64, **kwargs)
     calls = traced_calls(lambda b: dsa.build_decode_metadata(cfg, b), small_batch(cfg))
