@@ -255,6 +255,33 @@ class Indexer(nn.Module):
             for name, value in values.items():
                 params[name].copy_(value)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Indexer:
+        """``nn.Module``'s moves and casts (``to``, ``cuda``, ``half``, a whole model's
+        ``to(dtype)``): a cast of floating dtypes sets the layer's ``dtype`` and its 16-bit /
+        fp32 ``wq_b`` and ``wk``; ``k_norm``, ``weights_proj`` and the RoPE table stay fp32,
+        fp8 weights and their scales as shipped."""
+        dtype = fn(torch.empty(0, dtype=self.dtype, device=self.kv_cache.device)).dtype
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"Indexer: the layer's dtype must be one of {list(FLOAT_DTYPES)}, "
+                             f"a cast asks for {dtype}")
+        follow = {f"{name}.weight" for name in ("wq_b", "wk")
+                  if isinstance(getattr(self, name), nn.Linear)}
+        # .data: the original storage, which a parameter's in-place conversion leaves behind
+        kept = {name: t.data for name, t in (*self.named_parameters(), *self.named_buffers())
+                if name not in follow and t.is_floating_point()}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            owner, _, leaf = name.rpartition(".")
+            module = self.get_submodule(owner)
+            new = getattr(module, leaf)
+            if new.dtype != old.dtype:  # cast back from the original: nothing lost
+                if isinstance(new, nn.Parameter):
+                    new.data = old.to(new.device)
+                else:
+                    setattr(module, leaf, old.to(new.device))
+        self.dtype = dtype
+        return self
+
     def forward(
         self,
         hidden: Tensor,

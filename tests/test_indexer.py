@@ -247,7 +247,7 @@ def test_decode_step_adjusts_no_lengths(monkeypatch, backend, layout, next_n):
     nothing) and DeepGEMM's (>= 1). The exported step holds no where and no clamp (traced,
     not run: DeepGEMM is patched in)."""
     if backend == "deepgemm":
-        monkeypatch.setattr(dsa.meta.decode, "paged_backend", lambda *_: "deepgemm")
+        monkeypatch.setattr(dsa.meta.decode, "paged_backend", lambda *_, **__: "deepgemm")
         monkeypatch.setattr(deepgemm, "paged_unsupported_reason", lambda *_: None)
         monkeypatch.setattr(deepgemm, "num_sms", lambda _: 4)
     cfg = make_config(decode_layout=layout, next_n=next_n)
@@ -310,3 +310,32 @@ def test_unchecked_out_of_range_position_selects_nothing():
     out = layer(torch.randn(3, HIDDEN), torch.randn(3, Q_LORA_RANK), batch.positions, meta)
     assert (out.indices[1] == -1).all() and (out.slots[1] == -1).all()
     assert (out.indices[0] >= 0).sum() == cfg.topk  # its neighbour, valid, selects
+
+
+@pytest.mark.parametrize("fp8_weights", [False, True])
+def test_a_cast_layer_equals_one_built_in_that_dtype(fp8_weights):
+    """``to(dtype)`` (a whole model's cast) sets the layer's dtype and its 16-bit weights;
+    k_norm, weights_proj, the RoPE table, fp8 weights and their scales keep theirs."""
+    cfg = make_config(next_n=1)
+    kwargs = dict(hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, rope_dim=ROPE_DIM,
+                  rope_theta=THETA, fp8_weights=fp8_weights)
+    source = dsa.Indexer(cfg, **kwargs, dtype=torch.float32)
+    direct = dsa.Indexer(cfg, **kwargs, dtype=torch.bfloat16)
+    direct.load_state_dict(source.state_dict())
+    cast = source.to(torch.bfloat16)
+    assert cast.dtype == torch.bfloat16
+    got, want = cast.state_dict(), direct.state_dict()
+    got["rope"], want["rope"] = cast.rope_cos_sin, direct.rope_cos_sin
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
+    batch = dsa.Batch(torch.tensor([0, 1], dtype=torch.int32),
+                      torch.tensor([1], dtype=torch.int32),
+                      torch.zeros(1, cfg.max_blocks_per_req, dtype=torch.int32),
+                      torch.tensor([0]), torch.tensor([0]))
+    meta = dsa.build_decode_metadata(cfg, batch)
+    hidden = torch.randn(1, HIDDEN, dtype=torch.bfloat16)
+    q_latent = torch.randn(1, Q_LORA_RANK, dtype=torch.bfloat16)
+    out = cast(hidden, q_latent, batch.positions, meta)
+    assert torch.equal(out.indices, direct(hidden, q_latent, batch.positions, meta).indices)
+    with pytest.raises(ValueError, match=r"dtype must be one of .* a cast asks for torch\.float64"):
+        cast.double()
