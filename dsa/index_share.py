@@ -59,6 +59,10 @@ class IndexShare:
             if not is_int(value) or value < low:
                 raise ValueError(f"IndexShare.every: {name} must be an int >= {low}, "
                                  f"got {value!r}")
+        if freq > 1 and offset == 0:
+            raise ValueError(f"IndexShare.every: offset 0 with freq {freq} makes the first "
+                             f"layer shared, which needs a full layer before it; offset must "
+                             f"be >= 1")
         return cls("".join(FULL if max(i - offset + 1, 0) % freq == 0 else SHARED
                            for i in range(num_layers)))
 
@@ -92,9 +96,9 @@ class IndexShare:
                 raise ValueError(f"IndexShare.from_hf_config: index_topk_pattern must have one "
                                  f"'F' or 'S' per layer ({num_layers}), got {len(pattern)}")
             return cls(pattern)
-        freq = config.get("index_topk_freq")
+        freq, offset = config.get("index_topk_freq"), config.get("index_skip_topk_offset")
         return cls.every(num_layers, 1 if freq is None else freq,
-                         config.get("index_skip_topk_offset", SKIP_TOPK_OFFSET))
+                         SKIP_TOPK_OFFSET if offset is None else offset)
 
     @property
     def num_layers(self) -> int:

@@ -38,6 +38,8 @@ def test_from_hf_config_reads_each_engine_setting():
     assert dsa.IndexShare.from_hf_config({**on, "index_topk_freq": 2}).pattern == "FFSFSF"
     assert dsa.IndexShare.from_hf_config(
         {**on, "index_topk_freq": 2, "index_skip_topk_offset": 3}).pattern == "FFFSFS"
+    assert dsa.IndexShare.from_hf_config(  # null: the default offset, as a null freq
+        {**on, "index_topk_freq": 2, "index_skip_topk_offset": None}).pattern == "FFSFSF"
     assert dsa.IndexShare.from_hf_config(
         {**on, "index_topk_freq": 2, "index_topk_pattern": "FSSSSF"}).pattern == "FSSSSF"
     glm = {**base, "index_topk_freq": 4,
@@ -50,6 +52,8 @@ def test_from_hf_config_reads_each_engine_setting():
     (lambda: dsa.IndexShare("FFX"), "non-empty string of 'F'"),
     (lambda: dsa.IndexShare("SF"), "first layer must be full"),
     (lambda: dsa.IndexShare.every(8, 0), "freq must be an int >= 1"),
+    (lambda: dsa.IndexShare.every(8, 4, offset=0), "offset 0 with freq 4 makes the first layer "
+                                                   "shared"),
     (lambda: dsa.IndexShare.from_hf_config({}), "needs num_hidden_layers"),
     (lambda: dsa.IndexShare.from_hf_config(
         {"num_hidden_layers": 3, "indexer_types": ["full", "shared"]}), "each of the 3 layers"),
