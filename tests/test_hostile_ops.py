@@ -287,3 +287,17 @@ def test_lengths_near_int32_min_count_no_keys(face):
     compressed = (i32([0, 1, 2**31 - 1]), i32([0, -(2**31)]), i32([[0, 0], [0, 3]]), 3, 2, 2, 1,
                   0, 1)
     assert run_op(face, "compressed_slot_mapping", *compressed).tolist() == [-1, -1, -1]
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_widths_near_int32_max_still_cut_lengths_at_the_table(face):
+    """A row width (``max_context_len``) near 2**31 - 1, a natural "no cap": the count of
+    blocks a length spans does not wrap, so a length past the table's valid blocks is cut
+    at them on every face, also inside ``decode_metadata``."""
+    most = 2**31 - 1
+    for lens in (most, most - 9, 100):
+        capped = run_op(face, "cap_context_lens", i32([[lens]]), i32([[0]]), 1, 64, most)
+        assert capped.tolist() == [[64]]
+    fused = (i32([0, 1]), i32([most]), i32([[0]]), torch.tensor([0]), torch.tensor([0]), False,
+             1, 1, 1, 0, 1, 1, 64, most, most, False)
+    assert run_op(face, "decode_metadata", *fused)[1].tolist() == [[64]]

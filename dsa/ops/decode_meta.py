@@ -298,7 +298,8 @@ def capped_lens_tl(lens, row_ptr, width, num_blocks, max_context_len, BS: tl.con
     """Triton: same as ``capped_lens`` for the lengths ``lens`` of one row whose block-table
     row starts at ``row_ptr`` (read only as far as the longest length needs)."""
     lens = tl.minimum(tl.maximum(lens, 0), max_context_len)
-    span = tl.cdiv(tl.max(lens, axis=0), BS)
+    longest = tl.max(lens, axis=0)
+    span = longest // BS + (longest % BS != 0).to(longest.dtype)  # cdiv without overflow
     needed = tl.minimum(span, width)
     first = needed
     cols = tl.arange(0, BLOCK_W)
