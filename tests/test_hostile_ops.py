@@ -301,3 +301,18 @@ def test_widths_near_int32_max_still_cut_lengths_at_the_table(face):
     fused = (i32([0, 1]), i32([most]), i32([[0]]), torch.tensor([0]), torch.tensor([0]), False,
              1, 1, 1, 0, 1, 1, 64, most, most, False)
     assert run_op(face, "decode_metadata", *fused)[1].tolist() == [[64]]
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_prefill_chunk_bounds_at_int32_edges(face):
+    """A garbage length of -2**31 gives no keys (the kernel adds in int64, as the torch
+    face); lengths summing past 2**31 saturate the offsets, which stay non-decreasing, so
+    every face maps the workspace rows to the same request."""
+    bounds = run_op(face, "prefill_chunk_bounds", i32([0, 3]), i32([-(2**31)]), 0, 1, 0, 3, 0)
+    assert [t.tolist() for t in bounds] == [[0, 0], [0, 0], [], [0, 0, 0], [0, 0, 0],
+                                            [0, 0, 0]]
+    most = 2**31 - 1
+    cu, local_cu, token_to_seq = run_op(face, "prefill_chunk_bounds", i32([0, 1, 2]),
+                                        i32([most, most]), 0, 2, 0, 2, 4)[:3]
+    assert cu.tolist() == local_cu.tolist() == [0, most, most]
+    assert token_to_seq.tolist() == [0, 0, 0, 0]

@@ -70,8 +70,8 @@ def _prefill_chunk_bounds_cpu(
     seq = seq_lens[req_start:req_end].long()
     compressed = seq.clamp(min=0) // compress_ratio
     zero = compressed.new_zeros(1)
-    cu.copy_(torch.cat([zero, compressed.cumsum(0)]))
-    local_cu.copy_(torch.cat([zero, share(compressed).cumsum(0)]))
+    cu.copy_(torch.cat([zero, compressed.cumsum(0).clamp_(max=2**31 - 1)]))
+    local_cu.copy_(torch.cat([zero, share(compressed).cumsum(0).clamp_(max=2**31 - 1)]))
 
     rows = torch.arange(num_rows, device=device)
     row_req = torch.searchsorted(cu, rows.int(), right=True) - 1
@@ -98,9 +98,10 @@ def _prefill_chunk_bounds_cpu(
 @triton.jit
 def _chunk_offsets_kernel(seq_lens_ptr, cu_ptr, local_cu_ptr, req_start, n, ratio, world,
                           rank, interleave, BLOCK: tl.constexpr):
-    """One program: ``cu`` / ``local_cu`` = [0, cumsum(compressed lens / their shares)]."""
+    """One program: ``cu`` / ``local_cu`` = [0, cumsum(compressed lens / their shares)],
+    summed in int64 and saturated at 2**31 - 1 (still non-decreasing past int32)."""
     first = tl.arange(0, BLOCK) == 0
-    total = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)
+    total = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), 0)
     local_total = total
     tl.store(cu_ptr + tl.arange(0, BLOCK), tl.zeros([BLOCK], dtype=tl.int32), mask=first)
     tl.store(local_cu_ptr + tl.arange(0, BLOCK), tl.zeros([BLOCK], dtype=tl.int32), mask=first)
@@ -108,10 +109,12 @@ def _chunk_offsets_kernel(seq_lens_ptr, cu_ptr, local_cu_ptr, req_start, n, rati
         i = base + tl.arange(0, BLOCK)
         in_range = i < n
         seq = tl.load(seq_lens_ptr + req_start + i, mask=in_range, other=0)
-        compressed = tl.maximum(seq, 0) // ratio
+        compressed = (tl.maximum(seq, 0) // ratio).to(tl.int64)
         share = local_share_tl(compressed, world, rank, interleave)
-        tl.store(cu_ptr + 1 + i, total + tl.cumsum(compressed, 0), mask=in_range)
-        tl.store(local_cu_ptr + 1 + i, local_total + tl.cumsum(share, 0), mask=in_range)
+        tl.store(cu_ptr + 1 + i, tl.minimum(total + tl.cumsum(compressed, 0), 2**31 - 1),
+                 mask=in_range)
+        tl.store(local_cu_ptr + 1 + i, tl.minimum(local_total + tl.cumsum(share, 0), 2**31 - 1),
+                 mask=in_range)
         total += tl.sum(compressed, 0)
         local_total += tl.sum(share, 0)
 
@@ -134,7 +137,7 @@ def _chunk_rows_kernel(
     u = tl.load(qsl_ptr) + query_begin + i
     req, real, back = token_offset(qsl_ptr, u, is_query, n, SEARCH_STEPS)
     seq = tl.load(seq_lens_ptr + req, mask=real, other=0)
-    glen = tl.maximum(seq + back + 1, 0) // ratio
+    glen = tl.maximum(seq.to(tl.int64) + back + 1, 0) // ratio  # int64, as the torch face
     glen = tl.where(real, glen, 0)
     ks = tl.load(local_cu_ptr + req, mask=real, other=0)
     tl.store(ks_ptr + i, ks, mask=is_query)
