@@ -110,6 +110,18 @@ def test_pad_batch_in_place(face):
         [264, 265, 390, 523, 524, -1, -1, -1], [8, 9, 6, 10, 11, 0, 0, 0]]
 
 
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_int64_values_outside_int32_never_wrap_into_valid_ones(face):
+    """int64 live values into int32 buffers: lengths saturate, block ids and positions past
+    int32 become -1 (outside every cache and model length), never a small valid value."""
+    big = 2**32
+    live = (torch.tensor([0, 1]), torch.tensor([big + 5]), torch.tensor([[big + 1, 3 - big]]),
+            torch.tensor([7]), torch.tensor([big + 4]))
+    out = (*buffers(2, 2, 3)[:4], torch.full((2,), GARBAGE, dtype=torch.int32))
+    assert pad_into(face, live, out) == [[0, 1, 1], [2**31 - 1, 0], [[-1, -1, 0], [0, 0, 0]],
+                                         [7, -1], [-1, 0]]
+
+
 @KERNEL_MARK
 def test_launch_pad_batch_in_place_keeps_trailing_padding_tokens_as_the_cpu_face():
     """Live tokens past the last request's (padding by ``query_start_loc``) in place: the

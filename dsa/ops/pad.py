@@ -11,12 +11,14 @@ into buffers of capacity R' >= R requests, T' >= T tokens and width W' >= W::
 
 One launch replaces the dozen small copies and fills ``StaticBatch.load`` used to make: a
 Triton program per request of the bucket (its offset, length and table row) plus one per
-block of tokens. Live tensors may be int32 or int64; the
-buffers keep their own dtypes. The live tensors may be prefix views of the buffers
-themselves (``StaticBatch.pad``): a live entry is only ever rewritten with its own value,
-so padding in place is exact on both faces. ``pad_batch_launch`` is the CUDA launch made
-ready for one signature, relaunched at a fraction of a Triton launch's host time (what
-``StaticBatch`` pads with: the op itself checks its arguments on every call).
+block of tokens. Live tensors may be int32 or int64; the buffers keep their own dtypes,
+and live values outside int32 never wrap into valid ones: offsets and lengths saturate at
+int32's ends, block ids and positions become -1 (outside every cache and model length: they
+select and write nothing). The live tensors may be prefix views of the buffers themselves
+(``StaticBatch.pad``): a live entry is only ever rewritten with its own value, so padding in
+place is exact on both faces. ``pad_batch_launch`` is the CUDA launch made ready for one
+signature, relaunched at a fraction of a Triton launch's host time (what ``StaticBatch``
+pads with: the op itself checks its arguments on every call).
 """
 
 from __future__ import annotations
@@ -89,20 +91,40 @@ def _pad_batch_cpu(*tensors: Tensor) -> None:
     (query_start_loc, seq_lens, block_table, slot_mapping, positions, out_query_start_loc,
      out_seq_lens, out_block_table, out_slot_mapping, out_positions) = tensors
     reqs, width = block_table.shape
+    query_start_loc = query_start_loc.clamp(_INT32_MIN, _INT32_MAX)
     out_query_start_loc[: reqs + 1].copy_(query_start_loc)
     out_query_start_loc[reqs + 1:].copy_(query_start_loc[reqs:].expand(
         out_query_start_loc.shape[0] - reqs - 1))
-    _copy_and_fill(out_seq_lens, seq_lens, 0)
-    out_block_table[:reqs, :width].copy_(block_table)
+    _copy_and_fill(out_seq_lens, seq_lens.clamp(_INT32_MIN, _INT32_MAX), 0)
+    out_block_table[:reqs, :width].copy_(_int32_or_minus_one(block_table))
     out_block_table[:reqs, width:].zero_()
     out_block_table[reqs:].zero_()
     _copy_and_fill(out_slot_mapping, slot_mapping, -1)
-    _copy_and_fill(out_positions, positions, 0)
+    _copy_and_fill(out_positions, _int32_or_minus_one(positions), 0)
+
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _int32_or_minus_one(x: Tensor) -> Tensor:
+    return torch.where((x >= _INT32_MIN) & (x <= _INT32_MAX), x, -1)
 
 
 def _copy_and_fill(out: Tensor, src: Tensor, fill: int) -> None:
     out[: src.shape[0]].copy_(src)
     out[src.shape[0]:].fill_(fill)
+
+
+@triton.jit
+def _saturated_tl(x):
+    """Triton: ``x`` clamped to int32's range (a no-op on int32 values)."""
+    return tl.minimum(tl.maximum(x, -(2**31)), 2**31 - 1)
+
+
+@triton.jit
+def _int32_or_minus_one_tl(x):
+    """Triton: ``x`` where it fits int32, else -1."""
+    return tl.where((x >= -(2**31)) & (x <= 2**31 - 1), x, -1)
 
 
 # Pointers unspecialized on alignment: a ready launch (``pad_batch_launch``) serves any
@@ -121,11 +143,12 @@ def _pad_batch_kernel(qsl_ptr, seq_ptr, table_ptr, slot_ptr, pos_ptr,
     pid = tl.program_id(0)
     token_blocks = tl.cdiv(cap_tokens, BLOCK_T)
     if pid == 0:
-        tl.store(out_qsl_ptr, tl.load(qsl_ptr))
+        tl.store(out_qsl_ptr, _saturated_tl(tl.load(qsl_ptr)))
     if pid < cap_reqs:
         real = pid < num_reqs
-        tl.store(out_seq_ptr + pid, tl.load(seq_ptr + pid, mask=real, other=0))
-        tl.store(out_qsl_ptr + pid + 1, tl.load(qsl_ptr + tl.minimum(pid + 1, num_reqs)))
+        tl.store(out_seq_ptr + pid, _saturated_tl(tl.load(seq_ptr + pid, mask=real, other=0)))
+        tl.store(out_qsl_ptr + pid + 1,
+                 _saturated_tl(tl.load(qsl_ptr + tl.minimum(pid + 1, num_reqs))))
         live_width = tl.where(real, width, 0)
         cols = tl.arange(0, BLOCK_W)
         src_row = table_ptr + pid.to(tl.int64) * table_stride
@@ -133,13 +156,15 @@ def _pad_batch_kernel(qsl_ptr, seq_ptr, table_ptr, slot_ptr, pos_ptr,
         for start in range(0, cap_width, BLOCK_W):
             col = start + cols
             entry = tl.load(src_row + col, mask=col < live_width, other=0)
-            tl.store(dst_row + col, entry, mask=col < cap_width)
+            tl.store(dst_row + col, _int32_or_minus_one_tl(entry), mask=col < cap_width)
     elif pid < cap_reqs + token_blocks:
         t = (pid - cap_reqs) * BLOCK_T + tl.arange(0, BLOCK_T)
         real_tok = t < num_tokens
         in_range = t < cap_tokens
         tl.store(out_slot_ptr + t, tl.load(slot_ptr + t, mask=real_tok, other=-1), mask=in_range)
-        tl.store(out_pos_ptr + t, tl.load(pos_ptr + t, mask=real_tok, other=0), mask=in_range)
+        tl.store(out_pos_ptr + t,
+                 _int32_or_minus_one_tl(tl.load(pos_ptr + t, mask=real_tok, other=0)),
+                 mask=in_range)
     elif INPUTS > 0:  # a program per (token, input): the live token's row, copied
         r = pid - cap_reqs - token_blocks
         tok = (r // INPUTS).to(tl.int64)
