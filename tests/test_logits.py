@@ -16,6 +16,7 @@ from faces import FACE_NAMES, HAS_CUDA, KERNEL_MARK, run_op, to_cpu
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dsa.ops import FACES
+from dsa.ops.kcache import kcache_views
 from dsa.ops.logits import deepgemm, paged, paged_logits, ragged_logits
 from dsa.ops.logits.paged import PagedLogitsConfig, paged_logits_triton
 from dsa.ops.logits.ragged import MqaLogitsConfig, mqa_logits_triton
@@ -566,3 +567,37 @@ def test_mqa_logits_rows_starting_before_the_workspace(face):
         out = run_op(face, "mqa_logits", *case[0], 70)
     check_logits(out, dequantised, exact)
     assert torch.isneginf(out[-2, :20]).all() and torch.isfinite(out[-2, 20:50]).all()
+
+    # A span past int32 (ke - ks wraps there): the row is still max_seqlen_k keys from ks.
+    _, ragged = nan_code_case()
+    q, keys, key_scales, weights = ragged[:4]
+    out = run_op(face, "mqa_logits", q, keys, key_scales, weights,
+                 torch.tensor([-5], dtype=torch.int32),
+                 torch.tensor([2**31 - 1], dtype=torch.int32), 8)
+    assert torch.isneginf(out[0, :5]).all() and torch.isfinite(out[0, 5:]).all()
+
+
+def nan_code_case(seed: int = 0) -> tuple[tuple, tuple]:
+    """Paged and ragged logits arguments (one request, 8 valid keys of 4 heads x 32 dims)
+    whose key 3 holds one NaN fp8 code (0x7F), as a cache slot never written may."""
+    torch.manual_seed(seed)
+    q = torch.randn(1, 1, 4, 32).to(torch.float8_e4m3fn)
+    cache = torch.zeros(1, 64, 1, 36, dtype=torch.uint8)
+    values, scales = kcache_views(cache)
+    values.view(torch.uint8).copy_(torch.randn(1, 64, 32).to(torch.float8_e4m3fn)
+                                   .view(torch.uint8))
+    scales.fill_(1.0)
+    values.view(torch.uint8)[0, 3, 5] = 0x7F
+    weights, lens = torch.ones(1, 4), torch.tensor([[8]], dtype=torch.int32)
+    paged = (q, cache, weights, lens, torch.zeros(1, 1, dtype=torch.int32), 8)
+    ragged = (q[0], values[0, :8].contiguous(), scales[0, :8].contiguous(), weights,
+              torch.zeros(1, dtype=torch.int32), torch.full((1,), 8, dtype=torch.int32), 8)
+    return paged, ragged
+
+
+def test_a_nan_fp8_code_scores_zero_on_the_cpu_face():
+    """A NaN dot product counts as 0 after the relu (the kernels' ``max``): the key's
+    logit is 0, the others are what they are without it."""
+    paged, ragged = nan_code_case()
+    for out in (torch.ops.dsa.paged_mqa_logits(*paged), torch.ops.dsa.mqa_logits(*ragged)):
+        assert out[0, 3].item() == 0.0 and torch.isfinite(out).all()

@@ -443,3 +443,16 @@ def test_ragged_auto_falls_back_to_triton():
         ragged_logits(*inputs, backend="deepgemm")
     with pytest.raises(ValueError, match=r"dsa\.mqa_logits_deepgemm: DeepGEMM cannot run"):
         torch.ops.dsa.mqa_logits_deepgemm(*inputs)
+
+
+def test_a_nan_fp8_code_scores_zero_as_on_the_cpu_face():
+    """The kernels' relu (``max``) takes a NaN dot product to 0, as the CPU face does: the
+    key's logit is 0 on both, the other keys agree within the fp8 MMA's rounding."""
+    from test_logits import nan_code_case
+
+    paged, ragged = nan_code_case()
+    for op, args in ((torch.ops.dsa.paged_mqa_logits, paged), (torch.ops.dsa.mqa_logits, ragged)):
+        cpu = op(*args)
+        gpu = op(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)).cpu()
+        assert gpu[0, 3].item() == 0.0 and cpu[0, 3].item() == 0.0
+        torch.testing.assert_close(gpu, cpu, rtol=1e-3, atol=1e-3)

@@ -5,6 +5,9 @@ For query row t and key s (``w`` already folds q's scale, see :mod:`dsa.ops.quan
 
     logits[t, s] = k_scale[s] * sum_h w[t, h] * relu(dot(q[t, h], k[s]))
 
+A NaN dot product (a NaN fp8 code in q or K, which quantisation never writes: a cache slot
+never written) counts as 0 after the relu on every face, as the GPU's ``max`` gives it.
+
 Outputs are ``[rows, cols]`` views of buffers whose row stride is ``align(cols, 256)``
 floats, as DeepGEMM allocates them; :func:`alloc_logits` makes them for every face.
 """
@@ -40,6 +43,11 @@ def tile_logits(k, k_scale, q_t, w, TILE: tl.constexpr, ROWS: tl.constexpr, HP: 
     rows."""
     s = tl.maximum(tl.dot(k, q_t), 0.0) * w[None, :]
     return tl.sum(tl.reshape(s, (TILE, ROWS, HP)), axis=2) * k_scale[:, None]
+
+
+def relu_nan_zero(scores: Tensor) -> Tensor:
+    """Torch, in place: relu with NaN as 0 (the kernels' ``tl.maximum(x, 0)``)."""
+    return scores.relu_().nan_to_num_(nan=0.0)
 
 
 def fp8_rows(value_bytes: Tensor) -> Tensor:

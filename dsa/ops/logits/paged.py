@@ -45,7 +45,13 @@ from dsa.ops._launch import (
 from dsa.ops._registry import dsa_op
 from dsa.ops.kcache import SCALE_BYTES, check_kv_cache, kcache_views, padded_block_table
 from dsa.ops.logits import deepgemm
-from dsa.ops.logits.common import alloc_logits, choose_backend, fp8_rows, tile_logits
+from dsa.ops.logits.common import (
+    alloc_logits,
+    choose_backend,
+    fp8_rows,
+    relu_nan_zero,
+    tile_logits,
+)
 
 
 @dataclass(frozen=True)
@@ -227,7 +233,7 @@ def _paged_logits_torch(q_fp8: Tensor, kv_cache: Tensor, weights: Tensor, contex
         ok = (blk >= 0) & (blk < num_blocks)
         blk, off = torch.where(ok, blk, 0), pos % block_size
         scores = torch.einsum("nhd,ld->nhl", q_fp8[b].float(), fp8_rows(value_bytes[blk, off]))
-        logits = (scores.relu_() * w[b]).sum(dim=1) * scales[blk, off]
+        logits = (relu_nan_zero(scores) * w[b]).sum(dim=1) * scales[blk, off]
         valid = ok & (pos < context_lens[b, :, None])
         out[b * next_n:(b + 1) * next_n] = torch.where(valid, logits, float("-inf"))
     return out

@@ -21,7 +21,13 @@ from dsa.ops._checks import INDEX_DTYPES, check_int, check_size, check_tensor
 from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.logits import deepgemm
-from dsa.ops.logits.common import alloc_logits, choose_backend, fp8_rows, tile_logits
+from dsa.ops.logits.common import (
+    alloc_logits,
+    choose_backend,
+    fp8_rows,
+    relu_nan_zero,
+    tile_logits,
+)
 
 
 @dataclass(frozen=True)
@@ -98,10 +104,10 @@ def _mqa_logits_torch(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Te
     for start in range(0, q_fp8.shape[0], rows_per_step):
         rows = slice(start, start + rows_per_step)
         key = ks[rows, None].long() + j
-        ok = (j < (ke[rows] - ks[rows])[:, None]) & (key >= 0) & (key < num_keys)
+        ok = (j < (ke[rows].long() - ks[rows].long())[:, None]) & (key >= 0) & (key < num_keys)
         key = torch.where(ok, key, 0)
         scores = torch.einsum("mhd,mjd->mhj", q_fp8[rows].float(), fp8_rows(key_bytes[key]))
-        logits = (scores.relu_() * weights[rows, :, None]).sum(dim=1) * k_scale[key]
+        logits = (relu_nan_zero(scores) * weights[rows, :, None]).sum(dim=1) * k_scale[key]
         out[rows] = torch.where(ok, logits, float("-inf"))
     return out
 
@@ -116,8 +122,8 @@ def _mqa_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, w_stride0, w_stride1, k
     qi = tl.arange(0, BM)
     q_ok = m0 + qi < num_q
     ks = tl.load(ks_ptr + m0 + qi, mask=q_ok, other=0)
-    lens = tl.load(ke_ptr + m0 + qi, mask=q_ok, other=0) - ks
-    lens = tl.minimum(tl.maximum(lens, 0), max_seqlen_k)
+    lens = tl.load(ke_ptr + m0 + qi, mask=q_ok, other=0).to(tl.int64) - ks  # int64: no wrap
+    lens = tl.minimum(tl.maximum(lens, 0), max_seqlen_k).to(tl.int32)
     t_begin = split * tiles_per_program
     t_end = tl.minimum(t_begin + tiles_per_program, tl.cdiv(max_seqlen_k, TILE))
     out_rows = out_ptr + (m0 + qi).to(tl.int64) * out_stride
