@@ -332,6 +332,8 @@ def _paged_args(**changes):
         ({"q_fp8": torch.zeros(2, 1, 16, 32, dtype=torch.bfloat16)}, TypeError, "`q_fp8` must be"),
         ({"q_fp8": torch.zeros(2, 16, 32, dtype=torch.float8_e4m3fn)}, ValueError,
          "`q_fp8` must have 4 dimension"),
+        ({"q_fp8": torch.zeros(2, 1, 0, 32, dtype=torch.float8_e4m3fn),
+          "weights": torch.zeros(2, 0)}, ValueError, "`q_fp8` must have num_heads >= 1"),
         ({"kv_cache": torch.zeros(4, 16, 1, 68, dtype=torch.uint8)}, ValueError,
          r"`kv_cache` must have size 36"),
         ({"kv_cache": torch.zeros(0, 16, 1, 36, dtype=torch.uint8)}, ValueError,
@@ -518,6 +520,8 @@ def _mqa_args(**changes):
     ("changes", "error", "match"),
     [
         ({"q_fp8": torch.zeros(3, 16, 32)}, TypeError, "`q_fp8` must be"),
+        ({"q_fp8": torch.zeros(3, 0, 32, dtype=torch.float8_e4m3fn), "weights": torch.zeros(3, 0)},
+         ValueError, "`q_fp8` must have num_heads >= 1"),
         ({"k_fp8": torch.zeros(5, 64, dtype=torch.float8_e4m3fn)}, ValueError,
          r"`k_fp8` must have size 32"),
         ({"k_scale": torch.zeros(4)}, ValueError, r"`k_scale` must have size 5"),

@@ -458,6 +458,7 @@ test_project_rejects_bad_inputs = validation_test([
     (_bad(5, _GOOD[5].double()), TypeError, r"`norm_bias`"),
     (_bad(6, 0.0), ValueError, r"`eps` must be a positive float"),
     (_bad(7, _GOOD[7][:, :10]), ValueError, r"`weights_proj`.*hidden_size"),
+    (_bad(7, _GOOD[7][:0]), ValueError, r"`weights_proj` must have num_heads >= 1"),
     (_bad(8, torch.zeros(3, 4, 1, 36, dtype=torch.uint8)), ValueError,
      r"`kv_cache` must hold head_dim = wk.shape\[0\] = 16"),
     (_bad(9, _GOOD[9].int()), TypeError, r"`slot_mapping`"),

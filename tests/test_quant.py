@@ -215,6 +215,7 @@ def test_quantize_q_opcheck():
         (torch.zeros(2, 4, 8), torch.zeros(2, 4, dtype=torch.int64), TypeError, "`weights`"),
         (torch.zeros(2, 8, 4).transpose(1, 2), torch.zeros(2, 4), ValueError, "contiguous"),
         (torch.zeros(2, 4, 0), torch.zeros(2, 4), ValueError, "head_dim >= 1"),
+        (torch.zeros(2, 0, 8), torch.zeros(2, 0), ValueError, "`q` must have num_heads >= 1"),
     ],
 )
 def test_quantize_q_validation(q, weights, error, match):

@@ -58,6 +58,13 @@ def check_size(op: str, name: str, t: Tensor, dim: int, expected: int, what: str
         )
 
 
+def check_heads(op: str, name: str, t: Tensor, dim: int) -> None:
+    """Checks that ``t`` has at least one head (``t.shape[dim] >= 1``)."""
+    if t.shape[dim] < 1:
+        raise ValueError(f"dsa.{op}: `{name}` must have num_heads >= 1 in dimension {dim}, "
+                         f"got shape {tuple(t.shape)}")
+
+
 def is_int(value: object) -> bool:
     """Whether ``value`` is an int, not a bool (an int to Python)."""
     return isinstance(value, int) and not isinstance(value, bool)

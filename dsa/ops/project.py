@@ -42,7 +42,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dsa.ops._checks import check_size, check_tensor
+from dsa.ops._checks import check_heads, check_size, check_tensor
 from dsa.ops._l2 import discard_lines
 from dsa.ops._launch import (
     CHAIN_ROWS,
@@ -213,6 +213,7 @@ def _check(hidden: Tensor, q_latent: Tensor, wq_b: Tensor, wk: Tensor, norm_weig
     check_tensor(op, "weights_proj", weights_proj, dtype=FLOAT_DTYPES, ndim=2, like=hidden)
     check_size(op, "weights_proj", weights_proj, 1, width, "hidden_size = hidden.shape[1]")
     heads = weights_proj.shape[0]
+    check_heads(op, "weights_proj", weights_proj, 0)
     check_block_fp8(op, "wq_b", wq_b, wq_b_scale, hidden.dtype, like=hidden)
     check_size(op, "wq_b", wq_b, 0, heads * head_dim,
                "num_heads * head_dim = weights_proj.shape[0] * wk.shape[0]")

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 from triton import knobs
 
-from dsa.ops._checks import check_size, check_tensor
+from dsa.ops._checks import check_heads, check_size, check_tensor
 from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
 
@@ -149,6 +149,7 @@ def check_q(op: str, q: Tensor, weights: Tensor) -> None:
     check_tensor(op, "q", q, dtype=FLOAT_DTYPES, ndim=3, contiguous=True)
     check_tensor(op, "weights", weights, dtype=FLOAT_DTYPES, ndim=2, like=q)
     num_tokens, num_heads, head_dim = q.shape
+    check_heads(op, "q", q, 1)
     check_size(op, "weights", weights, 0, num_tokens, "num_tokens = q.shape[0]")
     check_size(op, "weights", weights, 1, num_heads, "num_heads = q.shape[1]")
     if head_dim < 1:

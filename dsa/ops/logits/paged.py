@@ -25,6 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from dsa.ops._checks import (
     INDEX_DTYPES,
     check_block_table,
+    check_heads,
     check_int,
     check_nonnegative,
     check_size,
@@ -183,6 +184,7 @@ def _check_paged(op: str, q_fp8: Tensor, kv_cache: Tensor, weights: Tensor,
                  context_lens: Tensor, block_table: Tensor, max_context_len: int) -> None:
     check_tensor(op, "q_fp8", q_fp8, dtype=torch.float8_e4m3fn, ndim=4, contiguous=True)
     batch, next_n, num_heads, head_dim = q_fp8.shape
+    check_heads(op, "q_fp8", q_fp8, 2)
     check_kv_cache(op, kv_cache, like=q_fp8)
     check_size(op, "kv_cache", kv_cache, 3, head_dim + 4, "head_dim + 4 = q_fp8.shape[3] + 4")
     check_tensor(op, "weights", weights, dtype=torch.float32, ndim=2, like=q_fp8)

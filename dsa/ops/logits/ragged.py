@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsa.ops._checks import INDEX_DTYPES, check_int, check_size, check_tensor
+from dsa.ops._checks import INDEX_DTYPES, check_heads, check_int, check_size, check_tensor
 from dsa.ops._launch import launch
 from dsa.ops._registry import dsa_op
 from dsa.ops.logits import deepgemm
@@ -63,6 +63,7 @@ def _check_mqa(op: str, q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: 
                ks: Tensor, ke: Tensor, max_seqlen_k: int) -> None:
     check_tensor(op, "q_fp8", q_fp8, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True)
     num_q, num_heads, head_dim = q_fp8.shape
+    check_heads(op, "q_fp8", q_fp8, 1)
     check_tensor(op, "k_fp8", k_fp8, dtype=torch.float8_e4m3fn, ndim=2, contiguous=True,
                  like=q_fp8)
     check_size(op, "k_fp8", k_fp8, 1, head_dim, "head_dim = q_fp8.shape[2]")
