@@ -197,6 +197,9 @@ def test_cache_write_as_compiled_module_buffer():
          torch.zeros(4, dtype=torch.int64)[::2], ValueError, "`slot_mapping` must be contiguous"),
         (torch.zeros(2, 8), torch.zeros(0, 4, 1, 12, dtype=torch.uint8),
          torch.zeros(2, dtype=torch.int64), ValueError, "`kv_cache` must have at least one block"),
+        # sliced out of a shared byte buffer: its scales could not be read as fp32
+        (torch.zeros(2, 8), torch.zeros(49, dtype=torch.uint8)[1:].view(1, 4, 1, 12),
+         torch.zeros(2, dtype=torch.int64), ValueError, "byte offset that is a multiple of 4"),
     ],
 )
 def test_cache_write_validation(k, cache, slots, error, match):

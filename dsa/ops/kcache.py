@@ -54,6 +54,10 @@ def check_kv_cache(op: str, kv_cache: object, *,
     if num_blocks < 1:
         raise ValueError(f"dsa.{op}: `kv_cache` must have at least one block, got shape "
                          f"{tuple(kv_cache.shape)}")
+    if kv_cache.storage_offset() % SCALE_BYTES:
+        raise ValueError(f"dsa.{op}: `kv_cache` must start at a byte offset that is a "
+                         f"multiple of 4 in its storage (its fp32 scales), got offset "
+                         f"{kv_cache.storage_offset()}")
     return num_blocks, block_size, head_dim
 
 
