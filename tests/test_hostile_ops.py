@@ -316,3 +316,12 @@ def test_prefill_chunk_bounds_at_int32_edges(face):
                                         i32([most, most]), 0, 2, 0, 2, 4)[:3]
     assert cu.tolist() == local_cu.tolist() == [0, most, most]
     assert token_to_seq.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("face", FACE_NAMES)
+def test_pack_decode_rows_with_a_garbage_start_near_int32_min(face):
+    """A request's token count past int32 (``end - start``) computes in int64 on every face,
+    so the kernel reads the rows the torch face reads."""
+    x = torch.arange(1, 4, dtype=torch.int32).view(3, 1)
+    assert run_op(face, "pack_decode_rows", x, i32([-(2**31), 2]), 4).flatten().tolist() == [
+        0, 0, 1, 2]

@@ -139,7 +139,7 @@ def _pack_decode_rows_kernel(x_ptr, qsl_ptr, out_ptr, num_slots, next_n, num_tok
     col = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     is_slot = slot < num_slots
     req = slot // next_n
-    start = tl.load(qsl_ptr + req, mask=is_slot, other=0)
+    start = tl.load(qsl_ptr + req, mask=is_slot, other=0).to(tl.int64)  # as the torch face
     end = tl.load(qsl_ptr + req + 1, mask=is_slot, other=0)
     i = slot % next_n - next_n + (end - start)
     src = start + i
