@@ -78,8 +78,10 @@ class Indexer(nn.Module):
     cache (a buffer of this module): up to ``KERNEL_TOKENS`` (512) tokens one op from the
     hidden state (``project_quantize_and_cache_k``), more the projections as torch ops and
     one fused op each for q and k (design §2). As in DeepSeek's reference, ``k_norm`` and
-    ``weights_proj`` (which gives the head weights) keep fp32 parameters and compute in fp32.
-    ``rope_scaling``: YaRN for the RoPE table, ``None`` for plain RoPE.
+    ``weights_proj`` (which gives the head weights) keep fp32 parameters and compute in fp32,
+    also through a cast of the layer (a whole model's ``to(dtype)``), which sets only its
+    ``dtype`` and 16-bit ``wq_b`` / ``wk``. ``rope_scaling``: YaRN for the RoPE table,
+    ``None`` for plain RoPE.
 
     DCP (``cfg.dcp_world > 1``): the cache holds this rank's shard. With ``dcp_group`` (the
     process group of the ``dcp_world`` ranks, this process being ``cfg.dcp_rank``), decode
