@@ -198,19 +198,24 @@ class Indexer(nn.Module):
                                  "DeepSeek V3.2 config.json is expected)")
             return config[key]
 
+        # theta at the top or inside rope_parameters / rope_scaling (transformers 5 writes
+        # it into both): wherever it is given, one value.
         rope_parameters = dict(config.get("rope_parameters") or {})
-        theta = rope_parameters.pop("rope_theta", None)
-        top = config.get("rope_theta")
-        if top is not None:
-            if theta not in (None, top):
-                raise ValueError(f"Indexer.from_hf_config: rope_theta ({top!r}) and "
-                                 f"rope_parameters.rope_theta ({theta!r}) disagree")
-            theta = top
-        if theta is None:
+        rope_scaling = config.get("rope_scaling")
+        rope_scaling = None if rope_scaling is None else dict(rope_scaling)
+        given = {name: value for name, value in (
+            ("rope_theta", config.get("rope_theta")),
+            ("rope_parameters.rope_theta", rope_parameters.pop("rope_theta", None)),
+            ("rope_scaling.rope_theta", (rope_scaling or {}).pop("rope_theta", None)))
+            if value is not None}
+        if len(set(given.values())) > 1:
+            raise ValueError(f"Indexer.from_hf_config: the config's RoPE thetas disagree: "
+                             f"{given}")
+        if not given:
             raise ValueError("Indexer.from_hf_config: the config has no 'rope_theta' (nor "
                              "rope_parameters.rope_theta; a DeepSeek V3.2 config.json is "
                              "expected)")
-        rope_scaling = config.get("rope_scaling")
+        theta = next(iter(given.values()))
         if rope_scaling is None and rope_parameters:
             rope_scaling = rope_parameters
         scale_fmt = (config.get("quantization_config") or {}).get("scale_fmt")

@@ -338,9 +338,18 @@ def test_from_hf_config_reads_config_objects_and_checks_fields():
     theta = HF_CONFIG["rope_theta"]
     both = {**HF_CONFIG, "rope_parameters": {"rope_theta": theta}}
     assert dsa.Indexer.from_hf_config(both, **LIMITS, num_blocks=8) is not None
-    with pytest.raises(ValueError, match=r"rope_theta .* and rope_parameters.rope_theta .* "
-                                         r"disagree"):
+    with pytest.raises(ValueError, match=r"RoPE thetas disagree: \{'rope_theta': .*, "
+                                         r"'rope_parameters.rope_theta': "):
         dsa.Indexer.from_hf_config({**both, "rope_parameters": {"rope_theta": 2 * theta}},
+                                   **LIMITS, num_blocks=8)
+    # transformers 5 writes rope_theta (and rope_type) into a config.json's rope_scaling
+    scaling = {**HF_CONFIG["rope_scaling"], "rope_theta": theta, "rope_type": "yarn"}
+    normalised = dsa.Indexer.from_hf_config({**HF_CONFIG, "rope_scaling": scaling}, **LIMITS,
+                                            num_blocks=8)
+    plain = dsa.Indexer.from_hf_config(HF_CONFIG, **LIMITS, num_blocks=8)
+    assert torch.equal(normalised.rope_cos_sin, plain.rope_cos_sin)
+    with pytest.raises(ValueError, match=r"'rope_scaling.rope_theta': "):
+        dsa.Indexer.from_hf_config({**HF_CONFIG, "rope_scaling": {**scaling, "rope_theta": 1.0}},
                                    **LIMITS, num_blocks=8)
 
 
