@@ -8,12 +8,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from faces import FACE_NAMES, face_tests, i32, opcheck_test, run_op, validation_test
+from faces import (
+    FACE_NAMES,
+    KERNEL_MARK,
+    face_tests,
+    i32,
+    opcheck_test,
+    run_op,
+    validation_test,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import topk_rows
 
 from dsa.ops.dcp import global_positions, local_share, owned_indices
+from dsa.ops.topk import scored
 from dsa.ops.topk.indices import SEARCHES, launch_topk
 from tests import reference_compute as ref
 
@@ -279,6 +288,20 @@ test_merge_cpu, test_merge_kernel = face_tests(
     merge, {"case": merge_cases()}, {"case": merge_cases(**KERNEL_SIZES)})
 
 
+@KERNEL_MARK
+def test_sorted_merge_of_more_candidates_than_one_sort_holds(monkeypatch):
+    """Past ``MAX_SORT`` candidates (W = 16, k = 2048 on a GPU: 256 KB to sort) the kernel
+    face selects the k unsorted, then sorts them: the rows of the CPU face's full sort."""
+    monkeypatch.setattr(scored, "MAX_SORT", 64)
+    gen = torch.Generator().manual_seed(11)
+    scores = torch.randint(-3, 4, (4, 3, 40), generator=gen).float()
+    positions = torch.randperm(480, generator=gen).view(4, 3, 40).int()
+    positions[2, 1, ::3] = -1
+    want = torch.ops.dsa.dcp_merge_topk(scores, positions, True)
+    got = run_op("kernel", "dcp_merge_topk", scores, positions, True)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("face", FACE_NAMES)
 def test_merge_example(face):
     """Design §11's example: W = 2, k = 3; the tie at .9 goes to the lower position."""
@@ -395,6 +418,10 @@ test_validation = validation_test([
      "`indices` must have unit stride in dimension 2"),
     ("dcp_merge_topk", (torch.zeros(9, 1, 4096), torch.zeros(9, 1, 4096, dtype=torch.int32),
                         False), ValueError, "W \\* k must be <= 32768"),
+    ("dcp_merge_topk", (torch.zeros(9, 1, 4096), torch.zeros(9, 1, 4096, dtype=torch.int32),
+                        True), ValueError, "W \\* k must be <= 32768"),
+    ("dcp_merge_topk", (torch.zeros(1, 1, 16385), torch.zeros(1, 1, 16385, dtype=torch.int32),
+                        True), ValueError, "with sorted=True, k must be <= 16384"),
 ])
 
 

@@ -61,6 +61,9 @@ from dsa.ops.topk.select import (
 MAX_POSITION = 2**31 - 1
 NO_ENTRY = -(2**63)  # sorts after every entry
 MERGE_WARPS = 8  # the merge kernels' warps
+# Candidates one program sorts in shared memory (8 bytes each: 128 KB); a sorted merge of
+# more first selects its k unsorted, then sorts those.
+MAX_SORT = 1 << 14
 
 
 def _check_logits(op: str, logits: Tensor) -> None:
@@ -188,9 +191,11 @@ def _dcp_merge_out(scores: Tensor, indices: Tensor, sorted: bool = True
         if k > 1 and t.stride(2) != 1:
             raise ValueError(f"dsa.{op}: `{name}` must have unit stride in dimension 2, got "
                              f"strides {t.stride()}")
-    if not sorted and world * k > MAX_SELECT_CAP:
-        raise ValueError(f"dsa.{op}: with sorted=False, W * k must be <= {MAX_SELECT_CAP} "
-                         f"candidates per token, got {world} * {k}")
+    if world * k > MAX_SELECT_CAP:
+        raise ValueError(f"dsa.{op}: W * k must be <= {MAX_SELECT_CAP} candidates per token, "
+                         f"got {world} * {k}")
+    if sorted and k > MAX_SORT:
+        raise ValueError(f"dsa.{op}: with sorted=True, k must be <= {MAX_SORT}, got {k}")
     return (indices.new_empty((tokens, k)), scores.new_empty((tokens, k)))
 
 
@@ -268,6 +273,10 @@ def launch_dcp_merge(scores: Tensor, indices: Tensor, sorted: bool, out_indices:
     strides = (*scores.stride()[:2], *indices.stride()[:2])
     n = world * k
     np_ = triton.next_power_of_2(n)
+    if sorted and np_ > MAX_SORT:  # the k selected unsorted, then sorted: the same rows
+        launch_dcp_merge(scores, indices, False, out_indices, out_scores)
+        return launch_dcp_merge(out_scores[None].clone(), out_indices[None].clone(), True,
+                                out_indices, out_scores)
     if sorted:
         launch(_dcp_merge_kernel, (tokens,), scores, indices, out_indices, out_scores,
                *strides, k, n, NP=np_, num_warps=MERGE_WARPS)
