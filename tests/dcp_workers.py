@@ -141,6 +141,13 @@ def check_errors(rank: int, world: int, group: dist.ProcessGroup, logits: torch.
         assert "must have dcp_world=" in str(e)
     else:
         raise AssertionError("Indexer took a group of the wrong size")
+    cfg = dataclasses.replace(cfg, dcp_world=world, topk=32768 // world + 1)
+    try:
+        dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, dcp_group=group)
+    except ValueError as e:
+        assert "merges dcp_world * topk <= 32768 candidates" in str(e), str(e)
+    else:
+        raise AssertionError("Indexer took a group whose merge is too large")
 
 
 # --- the whole decode step ------------------------------------------------------------------
