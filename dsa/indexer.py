@@ -26,7 +26,7 @@ from dsa.ops._checks import (
 from dsa.ops.dcp import owned_indices
 from dsa.ops.project import KERNEL_TOKENS, project_torch
 from dsa.ops.quant import FLOAT_DTYPES
-from dsa.ops.topk.indices import MAX_SELECT_CAP
+from dsa.ops.topk.scored import check_merge_size
 from dsa.rope import YarnScaling, rope_scaling_from_hf, rope_table
 
 ops = torch.ops.dsa
@@ -127,10 +127,7 @@ class Indexer(nn.Module):
         if dcp_group is not None:
             distributed.check_dcp_group("Indexer", dcp_group, cfg.dcp_world, cfg.dcp_rank,
                                         cfg.dcp_interleave)
-            if cfg.dcp_world * cfg.topk > MAX_SELECT_CAP:
-                raise ValueError(f"Indexer: the exact top-k across the DCP group merges "
-                                 f"dcp_world * topk <= {MAX_SELECT_CAP} candidates per token, "
-                                 f"got {cfg.dcp_world} * {cfg.topk}")
+            check_merge_size("Indexer", cfg.dcp_world, cfg.topk, sorted=False)
         self.dcp_group = dcp_group
         if cfg.num_blocks is None:
             raise ValueError("Indexer: IndexerConfig.num_blocks (the K cache's blocks) must be "

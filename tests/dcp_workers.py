@@ -132,6 +132,12 @@ def check_errors(rank: int, world: int, group: dist.ProcessGroup, logits: torch.
                 assert match in str(e), str(e)
             else:
                 raise AssertionError(f"no error for {kwargs}")
+    try:  # a merge too large: before any collective, so no rank waits on the others
+        dcp_topk(logits, lengths, 32768 // world + 1, group, world=world, rank=rank)
+    except ValueError as e:
+        assert "takes W * k <= 32768 candidates per token" in str(e), str(e)
+    else:
+        raise AssertionError("dcp_topk took a merge too large")
     cfg = dsa.IndexerConfig(max_num_reqs=1, max_num_batched_tokens=1, max_model_len=64,
                             num_heads=4, head_dim=32, dcp_world=world + 1, dcp_rank=rank,
                             num_blocks=8)
@@ -145,7 +151,7 @@ def check_errors(rank: int, world: int, group: dist.ProcessGroup, logits: torch.
     try:
         dsa.Indexer(cfg, hidden_size=HIDDEN, q_lora_rank=Q_LORA_RANK, dcp_group=group)
     except ValueError as e:
-        assert "merges dcp_world * topk <= 32768 candidates" in str(e), str(e)
+        assert "takes W * k <= 32768 candidates per token (dcp_world * topk)" in str(e), str(e)
     else:
         raise AssertionError("Indexer took a group whose merge is too large")
 

@@ -417,11 +417,11 @@ test_validation = validation_test([
     ("dcp_merge_topk", (S, P.transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
      "`indices` must have unit stride in dimension 2"),
     ("dcp_merge_topk", (torch.zeros(9, 1, 4096), torch.zeros(9, 1, 4096, dtype=torch.int32),
-                        False), ValueError, "W \\* k must be <= 32768"),
+                        False), ValueError, "takes W \\* k <= 32768 candidates"),
     ("dcp_merge_topk", (torch.zeros(9, 1, 4096), torch.zeros(9, 1, 4096, dtype=torch.int32),
-                        True), ValueError, "W \\* k must be <= 32768"),
+                        True), ValueError, "takes W \\* k <= 32768 candidates"),
     ("dcp_merge_topk", (torch.zeros(1, 1, 16385), torch.zeros(1, 1, 16385, dtype=torch.int32),
-                        True), ValueError, "with sorted=True, k must be <= 16384"),
+                        True), ValueError, "a sorted merge takes k <= 16384, got 16385"),
 ])
 
 

@@ -174,6 +174,17 @@ def _topk_scored_cuda(logits: Tensor, lengths: Tensor, k: int, sorted: bool = Tr
 # --- dcp_merge_topk ----------------------------------------------------------------------
 
 
+def check_merge_size(op: str, world: int, k: int, sorted: bool) -> None:
+    """The merge's limits: ``world * k`` candidates per token (the DCP ranks' top-k each) at
+    most ``MAX_SELECT_CAP``, and sorted, ``k`` at most ``MAX_SORT``."""
+    if world * k > MAX_SELECT_CAP:
+        raise ValueError(f"dsa.{op}: the merge across DCP ranks takes W * k <= "
+                         f"{MAX_SELECT_CAP} candidates per token (dcp_world * topk), got "
+                         f"{world} * {k}")
+    if sorted and k > MAX_SORT:
+        raise ValueError(f"dsa.{op}: a sorted merge takes k <= {MAX_SORT}, got {k}")
+
+
 @dsa_op("dcp_merge_topk")
 def _dcp_merge_out(scores: Tensor, indices: Tensor, sorted: bool = True
                    ) -> tuple[Tensor, Tensor]:
@@ -191,11 +202,7 @@ def _dcp_merge_out(scores: Tensor, indices: Tensor, sorted: bool = True
         if k > 1 and t.stride(2) != 1:
             raise ValueError(f"dsa.{op}: `{name}` must have unit stride in dimension 2, got "
                              f"strides {t.stride()}")
-    if world * k > MAX_SELECT_CAP:
-        raise ValueError(f"dsa.{op}: W * k must be <= {MAX_SELECT_CAP} candidates per token, "
-                         f"got {world} * {k}")
-    if sorted and k > MAX_SORT:
-        raise ValueError(f"dsa.{op}: with sorted=True, k must be <= {MAX_SORT}, got {k}")
+    check_merge_size(op, world, k, sorted)
     return (indices.new_empty((tokens, k)), scores.new_empty((tokens, k)))
 
 
