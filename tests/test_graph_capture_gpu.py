@@ -401,3 +401,23 @@ def test_debug_mode_checks_device_batches():
     with pytest.raises(ValueError, match="`seq_lens` of request 0 must be >= its query length"):
         dsa.build_decode_metadata(cfg, bad)
     dsa.build_decode_metadata(dataclasses.replace(cfg, debug=False), bad)  # not read: no sync
+
+
+def test_load_of_a_host_batch_whose_table_has_a_row_stride():
+    """A host block table sliced from a wider one (row stride past its width) travels to
+    the GPU packed, rows contiguous: the CUDA load reads it as packed, equal to a host
+    load; a host table the op would refuse (columns strided) is refused here too."""
+    width = 4
+    wide = torch.arange(3 * (width + 3), dtype=torch.int32).view(3, width + 3)
+    live = dsa.Batch(torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+                     torch.tensor([5, 5, 5], dtype=torch.int32), wide[:, :width],
+                     torch.tensor([4, 68, 132]), torch.tensor([4, 4, 4]))
+    on_host, on_gpu = StaticBatch(4, 4, width), StaticBatch(4, 4, width, device="cuda")
+    on_host.load(live)
+    on_gpu.load(live)
+    assert on_gpu.batch.block_table.cpu().tolist() == on_host.batch.block_table.tolist() == [
+        [0, 1, 2, 3], [7, 8, 9, 10], [14, 15, 16, 17], [0, 0, 0, 0]]
+    strided = dataclasses.replace(live, block_table=wide[:, ::2][:, :width].contiguous()
+                                  .t().contiguous().t())
+    with pytest.raises(ValueError, match=r"`block_table` rows must be contiguous"):
+        StaticBatch(4, 4, width, device="cuda").load(strided)

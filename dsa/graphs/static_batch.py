@@ -155,10 +155,13 @@ class _Load:
         self._device = self._out[1].device
         self._host = _host_fields(fields, self._device)
         checked = list(fields)
-        for i in self._host:  # as ``_moved`` makes them
-            checked[i] = torch.empty(fields[i].shape, dtype=torch.int64, device=self._device)
+        for i in self._host:  # moved as int64; their own layouts checked as the op checks them
+            checked[i] = torch.empty_strided(fields[i].shape, fields[i].stride(),
+                                             dtype=torch.int64, device=self._device)
         _PAD_FACES.fake(*checked, *self._out)  # the op's checks, as its fake face runs them
         (reqs, width), tokens = fields[2].shape, fields[3].shape[0]
+        # ``_moved`` packs a host table's rows contiguously: its row stride is then its width
+        table_stride = width if 2 in self._host else fields[2].stride(0)
         in_launch: list[tuple[Tensor, int]] = []  # (buffer, live row stride)
         self._launched: list[tuple[int, Tensor]] = []  # inputs the pad launch copies
         self._copied: list[int] = []  # and those it leaves to _foreach_copy_
@@ -174,7 +177,7 @@ class _Load:
                 self._copied.append(i)
                 self._rows.append(buffer[:tokens])
         if self._device.type == "cuda":
-            self._pad = pad_batch_launch(self._out, reqs, tokens, width, fields[2].stride(0),
+            self._pad = pad_batch_launch(self._out, reqs, tokens, width, table_stride,
                                          in_launch)
         else:
             self._pad = _PAD_FACES.cpu
