@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dsa.ops._checks import check_dcp
+from dsa.ops._checks import check_dcp, check_int
 from dsa.ops.dcp import global_positions
 from dsa.ops.topk.scored import check_merge_size
 
@@ -78,7 +78,8 @@ def dcp_topk(logits: Tensor, lengths: Tensor, k: int, group: dist.ProcessGroup, 
         positions), then -1 (scores -inf).
     """
     check_dcp_group("dcp_topk", group, world, rank, interleave)
-    check_merge_size("dcp_topk", world, k, sorted)  # before any collective
+    # before any collective: a rank that raises later would leave the others waiting
+    check_merge_size("dcp_topk", world, check_int("dcp_topk", "k", k, low=1), sorted)
     local, scores = ops.topk_scored(logits, lengths, k, sorted)
     pairs = torch.cat([scores.view(torch.int32), global_positions(local, world, rank)], dim=1)
     gathered = all_gather(pairs, group)  # [W, rows, 2k], read in place by the merge
