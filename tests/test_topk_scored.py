@@ -302,6 +302,20 @@ def test_sorted_merge_of_more_candidates_than_one_sort_holds(monkeypatch):
     assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(("world", "k"), [(16, 2048), (4, 4096)])
+def test_sorted_merge_of_sixteen_ranks_of_2048_on_the_gpu(world, k):
+    """W * k = 32768 candidates, sorted (256 KB to sort in one program): the GPU's two
+    stages give the CPU face's rows."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randint(-50, 50, (world, 3, k), generator=gen).float()
+    positions = torch.randperm(world * 3 * k, generator=gen).view(world, 3, k).int()
+    positions[1, 1, ::5] = -1
+    want = torch.ops.dsa.dcp_merge_topk(scores, positions, True)
+    got = torch.ops.dsa.dcp_merge_topk(scores.cuda(), positions.cuda(), True)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("face", FACE_NAMES)
 def test_merge_example(face):
     """Design §11's example: W = 2, k = 3; the tie at .9 goes to the lower position."""
