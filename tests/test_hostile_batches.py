@@ -212,14 +212,14 @@ IMPOSSIBLE = {
 @pytest.mark.parametrize("case", list(IMPOSSIBLE))
 def test_impossible_batches_raise_on_the_host(case, builder):
     fields, match = IMPOSSIBLE[case]
-    if case == "decode_past_next_n" and builder == "build_prefill_metadata":
-        fields, match = {}, None  # prefill requests take any number of tokens
     cfg, batch = config(next_n=2), decode_batch(**fields)
-    if match is None:
-        getattr(dsa, builder)(cfg, batch)
-        return
+    kwargs = {}
+    if case == "decode_past_next_n" and builder == "build_prefill_metadata":
+        dsa.build_prefill_metadata(cfg, batch)  # prefill requests take any number of tokens
+        kwargs, match = {"num_decodes": 1}, (r"decode request 0 \(of num_decodes=1\) must have "
+                                             r"at most next_n=2 query tokens, got 3")
     with pytest.raises(ValueError, match=f"dsa.{builder}: {match}"):
-        getattr(dsa, builder)(cfg, batch)
+        getattr(dsa, builder)(cfg, batch, **kwargs)
 
 
 @pytest.mark.parametrize("builder", ["build_decode_metadata", "build_prefill_metadata"])

@@ -137,6 +137,11 @@ def build_prefill_metadata(
     if not is_int(num_decodes) or not 0 <= num_decodes <= num_reqs:
         raise ValueError(f"dsa.build_prefill_metadata: `num_decodes` must be in [0, {num_reqs}], "
                          f"got {num_decodes}")
+    for r in range(num_decodes):  # design §9, as build_decode_metadata checks them
+        if qsl_host[r + 1] - qsl_host[r] > cfg.next_n:
+            raise ValueError(f"dsa.build_prefill_metadata: decode request {r} (of num_decodes="
+                             f"{num_decodes}) must have at most next_n={cfg.next_n} query "
+                             f"tokens, got {qsl_host[r + 1] - qsl_host[r]}")
 
     ratio = cfg.compress_ratio
     token_requests, valid, request_table, slot_mapping = token_writes(cfg, batch)
